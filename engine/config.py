@@ -1,0 +1,82 @@
+"""Engine configuration: one dataclass whose fields are vLLM's engine-argument names.
+
+The same fields become CLI flags (``--max-num-batched-tokens`` ...) and environment variables
+(``VISION_SERVE_MAX_NUM_BATCHED_TOKENS``) through :func:`add_engine_cli_args`, so the offline API,
+the server and compose share one source of truth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, fields
+
+ENV_PREFIX = "VISION_SERVE_"
+
+
+@dataclass
+class EngineArgs:
+    model: str = ""
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 ("auto": bf16 on CPUs with bf16 units)
+    device: str = "auto"  # auto | cpu | cuda
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 2.0
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # 0: no per-request cap below the step budget
+    encoder_cache_size: int = 16384  # image embeddings (tokens) kept for reuse
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads on CPU (None: torch default)
+    max_queue_len: int = 0  # 0: unbounded waiting queue
+    preprocess_workers: int = 2
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_engine_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """Add one flag per EngineArgs field; defaults come from env vars when set."""
+    hints = typing.get_type_hints(EngineArgs)
+    group = parser.add_argument_group("engine")
+    for f in fields(EngineArgs):
+        if f.name in skip:
+            continue
+        tp = hints[f.name]
+        if isinstance(tp, types.UnionType):
+            tp = next(a for a in typing.get_args(tp) if a is not type(None))
+        env = os.environ.get(ENV_PREFIX + f.name.upper())
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if tp is bool:
+            if env is not None:
+                default = env.lower() in ("1", "true", "yes", "on")
+            group.add_argument(
+                _flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=default
+            )
+        else:
+            if env is not None:
+                default = tp(env)
+            group.add_argument(_flag(f.name), dest=f.name, type=tp, default=default)
+    if "enable_chunked_prefill" not in skip:
+        group.add_argument(
+            "--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false"
+        )
+
+
+def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
+    names = {f.name for f in fields(EngineArgs)}
+    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})

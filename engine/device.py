@@ -1,0 +1,48 @@
+"""Device and dtype resolution."""
+
+from __future__ import annotations
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but CUDA is not available")
+    return device
+
+
+def cpu_has_fast_bf16() -> bool:
+    """AVX512-BF16 or AMX: bf16 matmuls run 2-8x faster than fp32 on such CPUs."""
+    for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        fn = getattr(torch.cpu, probe, None)
+        try:
+            if fn is not None and fn():
+                return True
+        except Exception:  # noqa: BLE001 - a probe must never break startup
+            continue
+    return False
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}") from None

@@ -1,0 +1,62 @@
+"""Encoder-cache accounting: which image embeddings are held, by content hash.
+
+The scheduler asks this manager whether an image needs encoding this step; the model runner
+holds the tensors and is told (through the scheduler output) what to compute and what to drop.
+Entries referenced by live requests are pinned; unreferenced entries stay for reuse (the same
+frame asked again) until space is needed, oldest first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class EncoderCacheManager:
+    def __init__(self, capacity_tokens: int) -> None:
+        self.capacity = capacity_tokens
+        self.sizes: dict[str, int] = {}
+        self.refs: dict[str, set[str]] = {}  # hash -> request ids using it
+        self.unreferenced: OrderedDict[str, None] = OrderedDict()  # LRU order
+        self.used = 0
+        self.hits = 0
+        self.misses = 0
+
+    def contains(self, content_hash: str) -> bool:
+        return content_hash in self.sizes
+
+    def acquire(self, content_hash: str, request_id: str, num_tokens: int) -> tuple[bool, list[str]]:
+        """Pin ``content_hash`` for a request. Returns (must_encode, hashes evicted to make room).
+
+        Never refuses: when pinned entries exceed capacity the cache runs over rather than
+        deadlocking the request (the excess is released when requests finish).
+        """
+        evicted: list[str] = []
+        if content_hash in self.sizes:
+            users = self.refs.setdefault(content_hash, set())
+            if request_id not in users:
+                self.hits += 1
+            users.add(request_id)
+            self.unreferenced.pop(content_hash, None)
+            return False, evicted
+        self.misses += 1
+        while self.used + num_tokens > self.capacity and self.unreferenced:
+            old, _ = self.unreferenced.popitem(last=False)
+            self.used -= self.sizes.pop(old)
+            self.refs.pop(old, None)
+            evicted.append(old)
+        self.sizes[content_hash] = num_tokens
+        self.refs[content_hash] = {request_id}
+        self.used += num_tokens
+        return True, evicted
+
+    def release_request(self, request_id: str, hashes: list[str]) -> None:
+        for h in hashes:
+            users = self.refs.get(h)
+            if users is None:
+                continue
+            users.discard(request_id)
+            if not users:
+                self.unreferenced[h] = None
+
+    def pinned_by(self, content_hash: str, request_id: str) -> bool:
+        return request_id in self.refs.get(content_hash, ())

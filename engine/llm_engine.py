@@ -1,0 +1,263 @@
+"""The synchronous engine: owns scheduler, runner and detokenizers; one ``step()`` at a time.
+
+``LLM`` (offline) drives it in a loop; ``AsyncEngine`` drives it from a background thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import EngineArgs
+from engine.detokenizer import IncrementalDetokenizer
+from engine.device import resolve_device, resolve_dtype
+from engine.encoder_cache import EncoderCacheManager
+from engine.errors import InvalidRequestError, PromptTooLongError, QueueFullError
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.models import load_model
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.processing import InputProcessor
+from engine.request import Priority, ProcessedPrompt, Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.stats import EngineStats
+
+log = logging.getLogger("engine")
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        if not args.model:
+            raise ValueError("EngineArgs.model: path to a checkpoint directory is required")
+        self.args = args
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        if args.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(args.num_threads)
+        torch.manual_seed(args.seed)
+        self.model_dir = Path(args.model)
+        self.model_name = self.model_dir.name
+        self.model, self.hf_config, self.architecture = load_model(
+            self.model_dir, self.dtype, self.device
+        )
+        self.processor = InputProcessor(self.model_dir, self.hf_config)
+        self.tokenizer = self.processor.tokenizer
+        self.eos_token_ids = self._eos_ids()
+
+        text_cfg = self.hf_config.text_config
+        max_pos = getattr(text_cfg, "max_position_embeddings", 32768)
+        self.max_model_len = min(args.max_model_len or max_pos, max_pos)
+
+        per_block = ModelRunner.kv_bytes_per_block(self.model, args.block_size, self.dtype)
+        num_blocks = args.num_kv_blocks or max(
+            1, int(args.kv_cache_memory_gb * (1 << 30)) // per_block
+        )
+        # never more blocks than max_num_seqs full-length sequences could use
+        num_blocks = min(num_blocks, args.max_num_seqs * -(-self.max_model_len // args.block_size))
+        self.kv = KVCacheManager(num_blocks, args.block_size)
+        self.encoder_cache = EncoderCacheManager(args.encoder_cache_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=args.enable_chunked_prefill,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
+            ),
+            self.kv,
+            self.encoder_cache,
+        )
+        self.runner = ModelRunner(
+            self.model, num_blocks, args.block_size, self.dtype, self.device, self.eos_token_ids
+        )
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.stats = EngineStats(kv_blocks_total=num_blocks)
+        log.info(
+            "engine_ready model=%s arch=%s dtype=%s device=%s kv_blocks=%d block_size=%d "
+            "max_model_len=%d budget=%d chunked=%s",
+            self.model_name,
+            self.architecture,
+            str(self.dtype).removeprefix("torch."),
+            self.device,
+            num_blocks,
+            args.block_size,
+            self.max_model_len,
+            args.max_num_batched_tokens,
+            args.enable_chunked_prefill,
+        )
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        gen_path = self.model_dir / "generation_config.json"
+        if gen_path.exists():
+            import json
+
+            eos = json.loads(gen_path.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # ---- requests -------------------------------------------------------------------------
+    def process_inputs(self, inputs: Any) -> ProcessedPrompt:
+        """Tokenise and preprocess; thread-safe, meant to run off the step loop."""
+        return self.processor.process(inputs)
+
+    def validate(self, prompt: ProcessedPrompt, params: SamplingParams) -> None:
+        n = len(prompt.token_ids)
+        if n >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt is {n} tokens; this model's context (max_model_len) is "
+                f"{self.max_model_len}, leaving no room to generate",
+                param="messages",
+            )
+        if -(-(n + 1) // self.args.block_size) > self.kv.num_blocks:
+            raise PromptTooLongError(
+                f"prompt of {n} tokens does not fit the KV cache "
+                f"({self.kv.num_blocks} blocks of {self.args.block_size})",
+                param="messages",
+            )
+        vocab = self.hf_config.text_config.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt.token_ids):
+            raise InvalidRequestError("prompt token id out of the vocabulary", param="prompt")
+
+    def add_request(
+        self,
+        request_id: str,
+        inputs: Any,
+        params: SamplingParams | None = None,
+        priority: str | Priority | None = None,
+        deadline_s: float | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        params = params or SamplingParams()
+        prompt = self.process_inputs(inputs)
+        return self.add_processed(request_id, prompt, params, priority, deadline_s, arrival_time)
+
+    def add_processed(
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        priority: str | Priority | None = None,
+        deadline_s: float | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self.validate(prompt, params)
+        if self.args.max_queue_len and len(self.scheduler.waiting) >= self.args.max_queue_len:
+            raise QueueFullError(f"waiting queue is full ({self.args.max_queue_len} requests)")
+        req = Request(
+            request_id,
+            prompt,
+            params,
+            self.eos_token_ids,
+            Priority.parse(priority),
+            deadline_s,
+            arrival_time,
+        )
+        self.detokenizers[request_id] = IncrementalDetokenizer(
+            self.tokenizer, params, prompt.token_ids
+        )
+        self.scheduler.add_request(req)
+        self.stats.total_prompt_tokens += req.num_prompt_tokens
+        return req
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        if req is None:
+            return None
+        return self._make_output(req, [], finished=True)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        result = self.runner.execute(sched) if not sched.is_empty else None
+        progressed, finished = self.scheduler.update_from_output(
+            sched, result.sampled if result else {}
+        )
+        outputs: list[RequestOutput] = []
+        done_ids = {r.request_id for r in finished}
+        for req, new_ids in progressed:
+            if req.request_id in done_ids:
+                continue
+            out = self._make_output(req, new_ids, finished=False)
+            if out is not None:
+                outputs.append(out)
+        for req in finished:
+            new_ids = req.output_token_ids[-1:] if req.status is not RequestStatus.FINISHED_EXPIRED else []
+            out = self._make_output(req, new_ids, finished=True)
+            if out is not None:
+                outputs.append(out)
+        self._record_step(sched, result, time.perf_counter() - t0)
+        return outputs
+
+    def _make_output(self, req: Request, new_ids: list[int], finished: bool) -> RequestOutput | None:
+        detok = self.detokenizers.get(req.request_id)
+        if detok is None:
+            return None
+        delta = detok.add(new_ids, finished)
+        if detok.stop_hit is not None and not finished:
+            # a stop string ends the request here, whatever the model would say next
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            req.stop_reason = detok.stop_hit
+            finished = True
+            delta += detok.add([], True)
+        if finished:
+            self.detokenizers.pop(req.request_id, None)
+            self.stats.total_generation_tokens += len(req.output_token_ids)
+        reason = req.status.value if finished else None
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    index=0,
+                    text=detok.output_text(),
+                    token_ids=list(req.output_token_ids),
+                    finish_reason=reason,
+                    stop_reason=req.stop_reason if finished else None,
+                    delta_text=delta,
+                    delta_token_ids=list(new_ids),
+                )
+            ],
+            finished=finished,
+            metrics=req.metrics,
+            num_cached_tokens=req.num_cached_tokens,
+            num_image_tokens=req.prompt.num_image_tokens,
+        )
+
+    def _record_step(self, sched, result, elapsed: float) -> None:
+        s = self.stats
+        if sched.is_empty:
+            return
+        s.num_steps += 1
+        s.last_step_time_s = elapsed
+        s.total_step_time_s += elapsed
+        s.last_step_prefill_tokens = sched.num_prefill_tokens
+        s.last_step_decode_tokens = sched.num_decode_tokens
+        s.last_step_encoder_s = result.encode_s if result else 0.0
+        s.total_prefill_tokens_computed += sched.num_prefill_tokens
+
+    def get_stats(self) -> EngineStats:
+        s = self.stats
+        s.num_running = len(self.scheduler.running)
+        s.num_waiting = len(self.scheduler.waiting)
+        s.kv_blocks_used = self.kv.num_blocks - self.kv.num_free_blocks
+        s.num_preemptions = self.scheduler.num_preemptions
+        s.num_aborted = self.scheduler.num_aborted
+        s.num_expired = self.scheduler.num_expired
+        s.encoder_cache_hits = self.encoder_cache.hits
+        s.encoder_cache_misses = self.encoder_cache.misses
+        return EngineStats(**vars(s))

@@ -1,0 +1,118 @@
+"""Executes one :class:`SchedulerOutput`: encode images, build the flat batch, forward, sample.
+
+Owns the device-side state: the model, the paged KV cache tensors and the image embeddings.
+It never looks at scheduler state; everything it needs arrives in the scheduler output.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.layers.attention import build_attention_metadata
+from engine.sampler import sample
+from engine.scheduler import SchedulerOutput
+
+log = logging.getLogger("engine.runner")
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, int]
+    encode_s: float
+    forward_s: float
+    num_images_encoded: int
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        eos_token_ids: set[int],
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = device
+        self.eos_token_ids = sorted(eos_token_ids)
+        slots = num_blocks * block_size
+        shape = (slots, model.num_kv_heads, model.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(model.num_layers)
+        ]
+        self.encoder_outputs: dict[str, torch.Tensor] = {}
+
+    @staticmethod
+    def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * elem
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> StepResult:
+        for h in sched.evicted_encoder_hashes:
+            self.encoder_outputs.pop(h, None)
+        t0 = time.perf_counter()
+        if sched.encoder_jobs:
+            self._encode(sched)
+        t1 = time.perf_counter()
+        sampled: dict[str, int] = {}
+        if sched.chunks:
+            sampled = self._forward_and_sample(sched)
+        t2 = time.perf_counter()
+        return StepResult(sampled, t1 - t0, t2 - t1, len(sched.encoder_jobs))
+
+    def _encode(self, sched: SchedulerOutput) -> None:
+        jobs = sched.encoder_jobs
+        pixels = torch.cat([j.pixel_values for j in jobs]).to(self.device)
+        grids = torch.tensor([j.grid_thw for j in jobs], dtype=torch.long, device=self.device)
+        for job, emb in zip(jobs, self.model.encode_images(pixels, grids), strict=True):
+            self.encoder_outputs[job.content_hash] = emb.to(self.dtype)
+
+    def _forward_and_sample(self, sched: SchedulerOutput) -> dict[str, int]:
+        chunks = sched.chunks
+        ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
+        positions = torch.cat([c.positions for c in chunks], dim=1)
+        hidden = self.model.embed(ids.to(self.device))
+        row = 0
+        for c in chunks:
+            for content_hash, lo, hi, offset in c.image_slices:
+                emb = self.encoder_outputs[content_hash]
+                hidden[row + offset : row + offset + (hi - lo)] = emb[lo:hi]
+            row += c.num_tokens
+        meta = build_attention_metadata(
+            [c.block_table for c in chunks],
+            [c.start for c in chunks],
+            [c.num_tokens for c in chunks],
+            self.block_size,
+            self.device,
+        )
+        hidden = self.model(hidden, positions.to(self.device), self.kv_caches, meta)
+
+        sample_rows, sampled_chunks = [], []
+        row = 0
+        for c in chunks:
+            row += c.num_tokens
+            if c.sample:
+                sample_rows.append(row - 1)
+                sampled_chunks.append(c)
+        if not sample_rows:
+            return {}
+        logits = self.model.logits(hidden[sample_rows])
+        banned = [
+            (self.eos_token_ids + list(c.params.stop_token_ids))
+            if len(c.output_token_ids) < c.params.min_tokens
+            else []
+            for c in sampled_chunks
+        ]
+        tokens = sample(
+            logits, [c.params for c in sampled_chunks], [c.generator for c in sampled_chunks], banned
+        )
+        return {c.request_id: t for c, t in zip(sampled_chunks, tokens, strict=True)}

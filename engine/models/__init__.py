@@ -1,0 +1,77 @@
+"""Model registry and loading: architecture name in ``config.json`` -> our implementation."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.errors import UnsupportedModelError
+
+log = logging.getLogger("engine.models")
+
+SUPPORTED_ARCHITECTURES = (
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+)
+
+
+def read_architecture(model_dir: Path) -> str:
+    config_path = model_dir / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"{model_dir} has no config.json: is it a Hugging Face checkpoint?")
+    archs = json.loads(config_path.read_text()).get("architectures") or []
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    raise UnsupportedModelError(
+        f"architecture {archs or '(none)'} in {config_path} is not supported; "
+        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device):
+    """Build the model for ``model_dir``'s architecture and load its weights by tensor name."""
+    from transformers import AutoConfig
+
+    from engine.models.qwen2_vl import Qwen2VLModel, build_vision_tower
+
+    model_dir = Path(model_dir)
+    arch = read_architecture(model_dir)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    t0 = time.perf_counter()
+    # the decoder is built on the meta device (no wasted random init of big matrices) and
+    # materialised empty; the small vision tower is built for real so its buffers are valid
+    with torch.device("meta"):
+        model = Qwen2VLModel(hf_config, arch, with_vision=False)
+    model = model.to_empty(device=device).to(dtype)
+    visual = build_vision_tower(hf_config, arch).to(device=device)
+    for param in visual.parameters():  # parameters only: rotary inv_freq buffers stay fp32
+        param.data = param.data.to(dtype)
+    model.visual = visual
+    model.load_weights(iter_safetensors(model_dir))
+    model.eval()
+    log.info(
+        "model_loaded arch=%s dtype=%s device=%s params=%.1fM secs=%.2f",
+        arch,
+        dtype,
+        device,
+        sum(p.numel() for p in model.parameters()) / 1e6,
+        time.perf_counter() - t0,
+    )
+    return model, hf_config, arch

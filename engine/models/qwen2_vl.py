@@ -1,0 +1,232 @@
+"""Qwen2-VL / Qwen2.5-VL: our language decoder over a flat paged batch, the family's vision tower.
+
+The decoder is written here (it runs every step and must read the paged KV cache); the vision
+tower is the ``transformers`` module of the family (it runs once per image). Weights load by
+tensor name from safetensors, accepting both the original hub layout (``model.layers.*``,
+``visual.*``) and the layout newer ``transformers`` releases write (``model.language_model.*``,
+``model.visual.*``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.attention import AttentionMetadata, paged_attention
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import MRotaryEmbedding, apply_rotary
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        # q, k and v in one matmul: one weight read and one kernel launch instead of three
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=True)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        self.scale = head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, head_dim: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(
+            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim
+        )
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def build_vision_tower(hf_config, architecture: str) -> nn.Module:
+    """The family's ``transformers`` vision tower: it runs once per image, so reuse beats rewrite."""
+    if architecture == "Qwen2_5_VLForConditionalGeneration":
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+            Qwen2_5_VisionTransformerPretrainedModel as Tower,
+        )
+    else:
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+            Qwen2VisionTransformerPretrainedModel as Tower,
+        )
+    return Tower._from_config(hf_config.vision_config)
+
+
+class Qwen2VLModel(nn.Module):
+    """Text decoder + vision tower of one Qwen2-VL-family checkpoint."""
+
+    def __init__(self, hf_config, architecture: str, with_vision: bool = True) -> None:
+        super().__init__()
+        text = hf_config.text_config
+        self.text_config = text
+        self.vision_config = hf_config.vision_config
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.num_kv_heads = text.num_key_value_heads
+        self.num_layers = text.num_hidden_layers
+        self.image_token_id = hf_config.image_token_id
+        self.tie_word_embeddings = bool(
+            getattr(hf_config, "tie_word_embeddings", False)
+            or getattr(text, "tie_word_embeddings", False)
+        )
+        rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+        theta = rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))
+        section = rope.get("mrope_section") or [self.head_dim // 2, 0, 0]
+        self.rotary = MRotaryEmbedding(self.head_dim, theta, list(section))
+
+        self.embed_tokens = nn.Embedding(text.vocab_size, text.hidden_size)
+        self.layers = nn.ModuleList(
+            [DecoderLayer(text, self.head_dim) for _ in range(text.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(text.hidden_size, text.rms_norm_eps)
+        self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+        self.visual = build_vision_tower(hf_config, architecture) if with_vision else None
+        self.spatial_merge_size = self.vision_config.spatial_merge_size
+
+    # ---- forward pieces -------------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """hidden: [T, hidden] input embeddings; positions: [3, T]. Returns final-norm states."""
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, meta)
+        return self.norm(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        """Vision tower over several images at once; one embedding tensor per image."""
+        dtype = next(self.visual.parameters()).dtype
+        out = self.visual(pixel_values.to(dtype), grid_thw=grid_thw)
+        merged = out.pooler_output if hasattr(out, "pooler_output") else out
+        sizes = (grid_thw.prod(-1) // self.spatial_merge_size**2).tolist()
+        return list(torch.split(merged, sizes))
+
+    # ---- weights --------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors in by name, fusing q/k/v and gate/up; fail on anything missing."""
+        params = dict(self.named_parameters())
+        buffers = dict(self.named_buffers())
+        loaded: set[str] = set()
+        fused: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in weights:
+            name = _canonical_name(name)
+            if name is None:
+                continue
+            target, shard = _fused_target(name)
+            if target is not None:
+                fused.setdefault(target, {})[shard] = tensor
+                continue
+            if name in params:
+                _copy(params[name], tensor, name)
+                loaded.add(name)
+            elif name in buffers:
+                buffers[name].copy_(tensor)
+            elif "rotary_emb.inv_freq" in name:
+                continue
+            else:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+        for target, shards in fused.items():
+            if target.endswith("qkv_proj.weight") or target.endswith("qkv_proj.bias"):
+                order = ("q", "k", "v")
+            else:
+                order = ("gate", "up")
+            missing = [s for s in order if s not in shards]
+            if missing:
+                raise ValueError(f"checkpoint lacks {missing} for {target}")
+            _copy(params[target], torch.cat([shards[s] for s in order], 0), target)
+            loaded.add(target)
+        if self.tie_word_embeddings or "lm_head.weight" not in loaded:
+            if "lm_head.weight" not in loaded and not self.tie_word_embeddings:
+                raise ValueError("checkpoint has no lm_head.weight and does not tie embeddings")
+            self.lm_head.weight = self.embed_tokens.weight
+            loaded.add("lm_head.weight")
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+
+_FUSED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+
+
+def _canonical_name(name: str) -> str | None:
+    """Map either checkpoint layout onto this module's parameter names."""
+    for prefix, repl in (
+        ("model.language_model.", ""),
+        ("model.visual.", "visual."),
+        ("language_model.model.", ""),
+        ("language_model.lm_head.", "lm_head."),
+        ("model.", ""),
+    ):
+        if name.startswith(prefix):
+            return repl + name[len(prefix) :]
+    if name.startswith(("visual.", "lm_head.")):
+        return name
+    return None
+
+
+def _fused_target(name: str) -> tuple[str | None, str]:
+    if name.startswith("visual."):
+        return None, ""
+    parts = name.split(".")
+    for i, p in enumerate(parts):
+        if p in _FUSED:
+            fused, shard = _FUSED[p]
+            return ".".join([*parts[:i], fused, *parts[i + 1 :]]), shard
+    return None, ""
+
+
+def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if param.shape != tensor.shape:
+        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(tensor.to(param.dtype))

@@ -1,0 +1,256 @@
+"""Input processing: chat template, image loading and preprocessing, M-RoPE positions.
+
+Uses the checkpoint's own ``AutoProcessor`` (its chat template, image processor and tokenizer),
+so a prompt is tokenised exactly as ``transformers`` would. Runs off the step loop (callers use a
+thread pool): decoding and resizing a camera frame must not stall other requests' decodes.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import itertools
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from engine.errors import EmptyPromptError, InvalidImageError, InvalidRequestError
+from engine.request import ImageInput, ProcessedPrompt
+
+Messages = list[dict[str, Any]]
+
+
+def load_image(source: Any) -> Image.Image:
+    """PIL image from a PIL image, a ``data:`` URL, a ``file://`` URL or a local path."""
+    if isinstance(source, Image.Image):
+        image = source
+    elif isinstance(source, bytes):
+        image = _open_bytes(source, "image bytes")
+    elif isinstance(source, str | Path):
+        text = str(source)
+        if text.startswith("data:"):
+            header, _, payload = text.partition(",")
+            if ";base64" not in header or not payload:
+                raise InvalidImageError("image data URL must be 'data:<mime>;base64,<data>'")
+            try:
+                raw = base64.b64decode(payload, validate=True)
+            except (binascii.Error, ValueError) as exc:
+                raise InvalidImageError(f"image data URL is not valid base64: {exc}") from None
+            image = _open_bytes(raw, "image data URL")
+        elif text.startswith(("http://", "https://")):
+            raise InvalidImageError(
+                "the engine does not fetch remote images; resolve http(s) URLs before submitting"
+            )
+        else:
+            path = Path(text.removeprefix("file://"))
+            if not path.is_file():
+                raise InvalidImageError(f"image file not found: {path}")
+            image = _open_bytes(path.read_bytes(), str(path))
+    else:
+        raise InvalidImageError(f"unsupported image type {type(source).__name__}")
+    return image.convert("RGB") if image.mode != "RGB" else image
+
+
+def _open_bytes(raw: bytes, what: str) -> Image.Image:
+    try:
+        image = Image.open(io.BytesIO(raw))
+        image.load()
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise InvalidImageError(f"cannot decode {what}: {exc}") from None
+    if image.width < 1 or image.height < 1:
+        raise InvalidImageError(f"{what} has no pixels")
+    return image
+
+
+def _split_messages(messages: Messages) -> tuple[Messages, list[Any]]:
+    """OpenAI-style messages -> (messages the HF chat template understands, image sources)."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list", param="messages")
+    out: Messages = []
+    images: list[Any] = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or "role" not in msg:
+            raise InvalidRequestError(f"messages[{i}] must have a role", param=f"messages[{i}]")
+        content = msg.get("content")
+        if content is None:
+            content = ""
+        if isinstance(content, str):
+            out.append({"role": msg["role"], "content": [{"type": "text", "text": content}]})
+            continue
+        if not isinstance(content, list):
+            raise InvalidRequestError(
+                f"messages[{i}].content must be a string or a list of parts",
+                param=f"messages[{i}].content",
+            )
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                parts.append({"type": "text", "text": str(part.get("text", ""))})
+            elif kind in ("image_url", "image", "input_image"):
+                src = part.get(kind) if kind != "input_image" else part.get("image_url")
+                if isinstance(src, dict):
+                    src = src.get("url")
+                if src is None:
+                    raise InvalidImageError(
+                        f"messages[{i}].content[{j}] has no image",
+                        param=f"messages[{i}].content[{j}]",
+                    )
+                images.append(src)
+                parts.append({"type": "image"})
+            else:
+                raise InvalidRequestError(
+                    f"messages[{i}].content[{j}]: unsupported part type {kind!r}",
+                    param=f"messages[{i}].content[{j}].type",
+                )
+        out.append({"role": msg["role"], "content": parts})
+    return out, images
+
+
+class InputProcessor:
+    def __init__(self, model_dir: str | Path, hf_config) -> None:
+        from transformers import AutoProcessor
+
+        self.processor = AutoProcessor.from_pretrained(model_dir)
+        self.tokenizer = self.processor.tokenizer
+        self.image_token_id: int = hf_config.image_token_id
+        self.spatial_merge_size: int = hf_config.vision_config.spatial_merge_size
+
+    # ---- public ---------------------------------------------------------------------------
+    def process_chat(
+        self, messages: Messages, chat_template_kwargs: dict | None = None
+    ) -> ProcessedPrompt:
+        hf_messages, sources = _split_messages(messages)
+        images = [self._load(src, n) for n, src in enumerate(sources)]
+        text = self.processor.apply_chat_template(
+            hf_messages,
+            add_generation_prompt=True,
+            tokenize=False,
+            **(chat_template_kwargs or {}),
+        )
+        return self._process(text, images)
+
+    def process_prompt(self, prompt: str, images: list[Any] | None = None) -> ProcessedPrompt:
+        """A raw prompt (no chat template). Images need their placeholders in the text."""
+        if not isinstance(prompt, str):
+            raise InvalidRequestError("prompt must be a string", param="prompt")
+        loaded = [self._load(src, n) for n, src in enumerate(images or [])]
+        return self._process(prompt, loaded)
+
+    def process(self, inputs: Any) -> ProcessedPrompt:
+        """Dispatch on shape: str prompt, messages list, or a vLLM-style dict."""
+        if isinstance(inputs, ProcessedPrompt):
+            return inputs
+        if isinstance(inputs, str):
+            return self.process_prompt(inputs)
+        if isinstance(inputs, list):
+            return self.process_chat(inputs)
+        if isinstance(inputs, dict):
+            if "messages" in inputs:
+                return self.process_chat(inputs["messages"], inputs.get("chat_template_kwargs"))
+            if "prompt_token_ids" in inputs:
+                ids = list(inputs["prompt_token_ids"])
+                return self._from_ids(None, ids, [], None)
+            if "prompt" in inputs:
+                mm = inputs.get("multi_modal_data") or {}
+                imgs = mm.get("image") or []
+                return self.process_prompt(
+                    inputs["prompt"], imgs if isinstance(imgs, list) else [imgs]
+                )
+        raise InvalidRequestError(f"unsupported prompt type {type(inputs).__name__}")
+
+    # ---- internals ------------------------------------------------------------------------
+    def _load(self, source: Any, index: int) -> Image.Image:
+        try:
+            return load_image(source)
+        except InvalidImageError as exc:
+            raise InvalidImageError(f"image {index}: {exc}", param=exc.param) from None
+
+    def _process(self, text: str, images: list[Image.Image]) -> ProcessedPrompt:
+        try:
+            enc = self.processor(text=[text], images=images or None, return_tensors="pt")
+        except InvalidRequestError:
+            raise
+        except (ValueError, IndexError) as exc:  # e.g. placeholder count != image count
+            raise InvalidRequestError(f"cannot process prompt: {exc}") from None
+        ids = enc["input_ids"][0].tolist()
+        grids = enc.get("image_grid_thw")
+        pixels = enc.get("pixel_values")
+        return self._from_ids(text, ids, images, (pixels, grids))
+
+    def _from_ids(self, text, ids: list[int], images, mm) -> ProcessedPrompt:
+        if not ids:
+            raise EmptyPromptError("prompt is empty (tokenises to zero tokens)", param="messages")
+        runs = _placeholder_runs(ids, self.image_token_id)
+        image_inputs: list[ImageInput] = []
+        if runs:
+            pixels, grids = mm if mm else (None, None)
+            if grids is None or len(grids) != len(runs):
+                raise InvalidRequestError(
+                    f"prompt has {len(runs)} image placeholder runs but "
+                    f"{0 if grids is None else len(grids)} images"
+                )
+            patch_counts = grids.prod(-1).tolist()
+            offsets = [0, *itertools.accumulate(patch_counts)]
+            merge = self.spatial_merge_size**2
+            for k, (start, length) in enumerate(runs):
+                grid = tuple(int(x) for x in grids[k].tolist())
+                px = pixels[offsets[k] : offsets[k + 1]].contiguous()
+                if length != patch_counts[k] // merge:
+                    raise InvalidRequestError(
+                        f"image {k}: {length} placeholder tokens but the image has "
+                        f"{patch_counts[k] // merge} embeddings"
+                    )
+                digest = hashlib.sha256(px.numpy().tobytes())
+                digest.update(repr(grid).encode())
+                image_inputs.append(ImageInput(digest.hexdigest(), start, length, px, grid))
+        positions, delta = mrope_positions(ids, image_inputs, self.spatial_merge_size)
+        return ProcessedPrompt(text, ids, positions, delta, image_inputs)
+
+
+def _placeholder_runs(ids: list[int], token_id: int) -> list[tuple[int, int]]:
+    runs, i, n = [], 0, len(ids)
+    while i < n:
+        if ids[i] == token_id:
+            j = i
+            while j < n and ids[j] == token_id:
+                j += 1
+            runs.append((i, j - i))
+            i = j
+        else:
+            i += 1
+    return runs
+
+
+def mrope_positions(
+    ids: list[int], images: list[ImageInput], spatial_merge_size: int
+) -> tuple[torch.Tensor, int]:
+    """Qwen2-VL 3-D positions: text advances all axes by one; an image's tokens take
+    (t, row, col) offsets from the position where it starts, and the text after it resumes at
+    ``start + max(rows, cols)``. Returns positions [3, len(ids)] and the delta for generated
+    tokens (``position = index + delta``)."""
+    chunks: list[torch.Tensor] = []
+    cursor = 0  # token index
+    pos = 0  # next text position
+    for im in images:
+        if im.offset > cursor:
+            n = im.offset - cursor
+            chunks.append((torch.arange(n) + pos).unsqueeze(0).expand(3, -1))
+            pos += n
+        t, h, w = im.grid_thw
+        h, w = h // spatial_merge_size, w // spatial_merge_size
+        tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+        chunks.append(torch.stack([tt, hh, ww]).reshape(3, -1) + pos)
+        pos += max(h, w)
+        cursor = im.offset + im.num_tokens
+    if cursor < len(ids):
+        n = len(ids) - cursor
+        chunks.append((torch.arange(n) + pos).unsqueeze(0).expand(3, -1))
+        pos += n
+    positions = torch.cat(chunks, dim=1).contiguous() if chunks else torch.zeros(3, 0)
+    delta = int(positions.max()) + 1 - len(ids) if len(ids) else 0
+    return positions.long(), delta

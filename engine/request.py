@@ -1,0 +1,142 @@
+"""A request's plain state, as the scheduler and engine track it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.outputs import RequestMetrics
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue; KV freed, will recompute
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_EXPIRED = "expired"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "expired")
+
+
+class Priority(enum.IntEnum):
+    """Lower value is served first."""
+
+    INTERACTIVE = 0
+    BATCH = 1
+
+    @classmethod
+    def parse(cls, value: str | int | Priority | None) -> Priority:
+        if value is None:
+            return cls.INTERACTIVE
+        if isinstance(value, int):
+            return cls(value)
+        try:
+            return cls[str(value).upper()]
+        except KeyError:
+            from engine.errors import InvalidRequestError
+
+            raise InvalidRequestError(
+                f"priority must be 'interactive' or 'batch', got {value!r}", param="priority"
+            ) from None
+
+
+@dataclass
+class ImageInput:
+    """One image of a prompt: preprocessed pixels and where its placeholder tokens sit."""
+
+    content_hash: str  # of the preprocessed pixels: identical frames share encoder-cache entries
+    offset: int  # index of the first placeholder token in the prompt
+    num_tokens: int  # number of placeholder tokens (= embeddings the tower produces)
+    pixel_values: torch.Tensor  # [patches, C*T*P*P]
+    grid_thw: tuple[int, int, int]
+
+
+@dataclass
+class ProcessedPrompt:
+    """What input processing hands the engine: tokens, M-RoPE positions, images."""
+
+    prompt: str | None
+    token_ids: list[int]
+    positions: torch.Tensor  # [3, prompt_len] int64 M-RoPE positions
+    mrope_delta: int  # position of generated token i = prompt_len + i + delta
+    images: list[ImageInput] = field(default_factory=list)
+
+    @property
+    def num_image_tokens(self) -> int:
+        return sum(im.num_tokens for im in self.images)
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        eos_token_ids: set[int],
+        priority: Priority = Priority.INTERACTIVE,
+        deadline_s: float | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt.token_ids
+        self.num_prompt_tokens = len(prompt.token_ids)
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.deadline = None if deadline_s is None else self.arrival_time + deadline_s
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.stop_reason: int | str | None = None
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + len(self.output_token_ids)
+
+    @property
+    def is_prefill(self) -> bool:
+        """Still has more than the newest token to compute (prompt, or recompute after preemption)."""
+        return self.num_tokens - self.num_computed_tokens > 1 or self.num_computed_tokens == 0
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        n = self.num_prompt_tokens
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    def positions(self, start: int, end: int) -> torch.Tensor:
+        """[3, end-start] M-RoPE positions for token indices [start, end)."""
+        n = self.num_prompt_tokens
+        parts = []
+        if start < n:
+            parts.append(self.prompt.positions[:, start : min(end, n)])
+        if end > n:
+            lo = max(start, n)
+            gen = torch.arange(lo, end, dtype=torch.long) + self.prompt.mrope_delta
+            parts.append(gen.unsqueeze(0).expand(3, -1))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, computed="
+            f"{self.num_computed_tokens}/{self.num_tokens}, out={len(self.output_token_ids)})"
+        )

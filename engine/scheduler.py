@@ -1,0 +1,331 @@
+"""Stall-free (Sarathi-Serve) scheduling: one token budget per step, decodes first.
+
+There are no prefill and decode phases: every request has ``num_computed_tokens`` and a target
+(``num_tokens``), and each step tops requests up under ``max_num_batched_tokens``:
+
+1. running decodes get one token each (interactive before batch);
+2. the rest of the budget goes to prompt chunks — of running requests whose prompt is part
+   done, and of waiting requests — interactive before batch, first come first served within
+   a class. A chunk may end inside an image's placeholder range: the image is encoded once,
+   whole, in the step its first placeholder token is scheduled, and its embeddings are read
+   slice by slice.
+
+All policy lives here; the KV-cache and encoder-cache managers only keep accounts, and the
+model runner only executes the plain :class:`SchedulerOutput` it is given.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.encoder_cache import EncoderCacheManager
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Priority, Request, RequestStatus
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledChunk:
+    """Tokens [start, start + num_tokens) of one request, computed this step."""
+
+    request_id: str
+    start: int
+    num_tokens: int
+    token_ids: list[int]
+    positions: torch.Tensor  # [3, num_tokens]
+    block_table: list[int]
+    # (content hash, first embedding row, end row, row offset inside this chunk)
+    image_slices: list[tuple[str, int, int, int]]
+    sample: bool  # the chunk reaches the end of the sequence: sample the next token
+    is_decode: bool
+    params: SamplingParams
+    generator: torch.Generator | None
+    output_token_ids: list[int]  # tokens generated so far (for min_tokens / penalties)
+
+
+@dataclass
+class EncoderJob:
+    content_hash: str
+    pixel_values: torch.Tensor
+    grid_thw: tuple[int, int, int]
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)  # decodes first
+    encoder_jobs: list[EncoderJob] = field(default_factory=list)
+    evicted_encoder_hashes: list[str] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    expired: list[Request] = field(default_factory=list)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks if c.is_decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks if not c.is_decode)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks and not self.encoder_jobs
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int = 4096
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+
+
+def _rank(req: Request) -> tuple[int, float]:
+    """Scheduling order: class first, then arrival (FCFS within a class)."""
+    return (int(req.priority), req.arrival_time)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        encoder_cache: EncoderCacheManager,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.encoder_cache = encoder_cache
+        self.clock = clock
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.num_expired = 0
+        self.num_aborted = 0
+
+    # ---- queue management -----------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request (stop string, abort ...) and free everything it holds at once."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        if status is RequestStatus.FINISHED_ABORTED:
+            self.num_aborted += 1
+        self._free(req)
+        req.metrics.finished_time = self.clock()
+        return req
+
+    def _free(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        self.encoder_cache.release_request(
+            req.request_id, [im.content_hash for im in req.prompt.images]
+        )
+
+    # ---- the policy -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        now = self.clock()
+        self._expire_stale(out, now)
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[str] = set()
+
+        # 1. decodes, one token each, best class first
+        for req in sorted((r for r in self.running if not r.is_prefill), key=_rank):
+            if budget < 1:
+                break
+            if req.request_id in out.preempted_ids:
+                continue
+            if not self._reserve(req, 1, scheduled, out):
+                continue
+            self._emit(req, 1, out, now)
+            scheduled.add(req.request_id)
+            budget -= 1
+
+        # 2. prompt chunks: running part-done prompts and waiting requests, best class first;
+        #    a waiting interactive request outranks a half-done batch prefill.
+        candidates = [r for r in self.running if r.is_prefill and r.request_id not in scheduled]
+        candidates += self.waiting
+        prefill_scheduled = False
+        for req in sorted(candidates, key=_rank):
+            if budget < 1:
+                break
+            if req.status is RequestStatus.PREEMPTED and req.request_id in out.preempted_ids:
+                continue  # preempted in this very step; its turn comes next step
+            is_waiting = req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            if is_waiting and len(self.running) >= self.config.max_num_seqs:
+                continue
+            n = self._chunk_size(req, budget, prefill_scheduled)
+            if n == 0:
+                if self.config.enable_chunked_prefill:
+                    break
+                continue
+            if is_waiting:
+                if not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+                    continue  # admissions never preempt; a smaller request may still fit
+                self.waiting.remove(req)
+                self.running.append(req)
+                req.status = RequestStatus.RUNNING
+            elif not self._reserve(req, n, scheduled, out):
+                continue
+            self._emit(req, n, out, now)
+            scheduled.add(req.request_id)
+            prefill_scheduled = True
+            budget -= n
+        return out
+
+    def _chunk_size(self, req: Request, budget: int, prefill_scheduled: bool) -> int:
+        remaining = req.num_tokens - req.num_computed_tokens
+        if not self.config.enable_chunked_prefill:
+            # whole prompt in one step; an oversized one runs alone rather than never
+            if remaining <= budget or not prefill_scheduled:
+                return remaining
+            return 0
+        n = min(remaining, budget)
+        if self.config.long_prefill_token_threshold > 0:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return n
+
+    def _reserve(self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput) -> bool:
+        """KV blocks for ``n`` more tokens of a running request, preempting lower-ranked,
+        not-yet-scheduled running requests (newest batch work first) if the pool is short."""
+        total = req.num_computed_tokens + n
+        while not self.kv.allocate(req.request_id, total):
+            victims = [
+                r
+                for r in self.running
+                if r.request_id not in scheduled and r is not req and _rank(r) > _rank(req)
+            ]
+            if not victims:
+                self._preempt(req, out)
+                return False
+            self._preempt(max(victims, key=_rank), out)
+        return True
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Recompute-style preemption: drop the KV, keep the generated tokens, requeue first."""
+        self.running.remove(req)
+        self._free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.metrics.num_preemptions += 1
+        self.waiting.insert(0, req)
+        self.num_preemptions += 1
+        out.preempted_ids.append(req.request_id)
+
+    def _expire_stale(self, out: SchedulerOutput, now: float) -> None:
+        """Batch work whose deadline passed before its prefill started is dropped uncomputed."""
+        for req in list(self.waiting):
+            if (
+                req.deadline is not None
+                and req.priority is Priority.BATCH
+                and req.metrics.first_scheduled_time is None
+                and now >= req.deadline
+            ):
+                self.finish_request(req.request_id, RequestStatus.FINISHED_EXPIRED)
+                self.num_expired += 1
+                out.expired.append(req)
+
+    def _emit(self, req: Request, n: int, out: SchedulerOutput, now: float) -> None:
+        start = req.num_computed_tokens
+        end = start + n
+        is_decode = n == 1 and not req.is_prefill
+        if req.metrics.first_scheduled_time is None:
+            req.metrics.first_scheduled_time = now
+        if not is_decode:
+            req.metrics.num_prefill_chunks += 1
+        image_slices = []
+        for im in req.prompt.images:
+            lo, hi = max(start, im.offset), min(end, im.offset + im.num_tokens)
+            if lo >= hi:
+                continue
+            if not self.encoder_cache.pinned_by(im.content_hash, req.request_id):
+                must_encode, evicted = self.encoder_cache.acquire(
+                    im.content_hash, req.request_id, im.num_tokens
+                )
+                out.evicted_encoder_hashes.extend(evicted)
+                if must_encode:
+                    out.encoder_jobs.append(EncoderJob(im.content_hash, im.pixel_values, im.grid_thw))
+            image_slices.append((im.content_hash, lo - im.offset, hi - im.offset, lo - start))
+        out.chunks.append(
+            ScheduledChunk(
+                request_id=req.request_id,
+                start=start,
+                num_tokens=n,
+                token_ids=req.token_ids(start, end),
+                positions=req.positions(start, end),
+                block_table=list(self.kv.block_table(req.request_id)),
+                image_slices=image_slices,
+                sample=end == req.num_tokens,
+                is_decode=is_decode,
+                params=req.params,
+                generator=req.generator,
+                output_token_ids=req.output_token_ids,
+            )
+        )
+
+    # ---- results --------------------------------------------------------------------------
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, int]
+    ) -> tuple[list[tuple[Request, list[int]]], list[Request]]:
+        """Advance computed counts, append sampled tokens, stop finished requests.
+
+        Returns (requests that got a new token, with it) and the requests finished this step.
+        """
+        now = self.clock()
+        progressed: list[tuple[Request, list[int]]] = []
+        finished: list[Request] = list(out.expired)
+        for chunk in out.chunks:
+            req = self.requests.get(chunk.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += chunk.num_tokens
+            if req.metrics.prefill_done_time is None and (
+                req.num_computed_tokens >= req.num_prompt_tokens
+            ):
+                req.metrics.prefill_done_time = now
+            if not chunk.sample:
+                continue
+            token = sampled[chunk.request_id]
+            req.output_token_ids.append(token)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.metrics.last_token_time = now
+            progressed.append((req, [token]))
+            status = self._stop_status(req, token)
+            if status is not None:
+                if status is RequestStatus.FINISHED_STOPPED:
+                    req.stop_reason = None if token in req.eos_token_ids else token
+                finished.append(self.finish_request(req.request_id, status))
+        return progressed, finished
+
+    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.params
+        n_out = len(req.output_token_ids)
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and n_out >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
