@@ -184,7 +184,7 @@ class AsyncEngine:
                         self._streams.pop(out.request_id, None)
                     stream.put(out)
                 self._stats = self.engine.get_stats()
-        except BaseException as exc:  # noqa: BLE001 - every waiter must learn the loop died
+        except BaseException as exc:
             log.exception("engine step loop died")
             self._dead = exc
             dead = EngineDeadError(f"engine step loop died: {exc!r}")

@@ -20,7 +20,9 @@ ENV_PREFIX = "VISION_SERVE_"
 @dataclass
 class EngineArgs:
     model: str = ""
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 ("auto": bf16 on CPUs with bf16 units)
+    dtype: str = (
+        "auto"  # auto | float32 | bfloat16 | float16 ("auto": bf16 on CPUs with bf16 units)
+    )
     device: str = "auto"  # auto | cpu | cuda
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64

@@ -32,7 +32,7 @@ def cpu_has_fast_bf16() -> bool:
         try:
             if fn is not None and fn():
                 return True
-        except Exception:  # noqa: BLE001 - a probe must never break startup
+        except Exception:
             continue
     return False
 

@@ -24,7 +24,9 @@ class EncoderCacheManager:
     def contains(self, content_hash: str) -> bool:
         return content_hash in self.sizes
 
-    def acquire(self, content_hash: str, request_id: str, num_tokens: int) -> tuple[bool, list[str]]:
+    def acquire(
+        self, content_hash: str, request_id: str, num_tokens: int
+    ) -> tuple[bool, list[str]]:
         """Pin ``content_hash`` for a request. Returns (must_encode, hashes evicted to make room).
 
         Never refuses: when pinned entries exceed capacity the cache runs over rather than

@@ -43,11 +43,10 @@ class LLM:
         chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """One conversation or a list of conversations (OpenAI-style messages, image parts OK)."""
-        if messages and isinstance(messages[0], dict):
-            conversations = [messages]
-        else:
-            conversations = list(messages)
-        inputs = [{"messages": c, "chat_template_kwargs": chat_template_kwargs} for c in conversations]
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        inputs = [
+            {"messages": c, "chat_template_kwargs": chat_template_kwargs} for c in conversations
+        ]
         return self._run(inputs, sampling_params, use_tqdm)
 
     def _run(self, inputs: list[Any], params, use_tqdm: bool) -> list[RequestOutput]:

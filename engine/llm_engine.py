@@ -195,14 +195,20 @@ class LLMEngine:
             if out is not None:
                 outputs.append(out)
         for req in finished:
-            new_ids = req.output_token_ids[-1:] if req.status is not RequestStatus.FINISHED_EXPIRED else []
+            new_ids = (
+                req.output_token_ids[-1:]
+                if req.status is not RequestStatus.FINISHED_EXPIRED
+                else []
+            )
             out = self._make_output(req, new_ids, finished=True)
             if out is not None:
                 outputs.append(out)
         self._record_step(sched, result, time.perf_counter() - t0)
         return outputs
 
-    def _make_output(self, req: Request, new_ids: list[int], finished: bool) -> RequestOutput | None:
+    def _make_output(
+        self, req: Request, new_ids: list[int], finished: bool
+    ) -> RequestOutput | None:
         detok = self.detokenizers.get(req.request_id)
         if detok is None:
             return None

@@ -45,7 +45,10 @@ class ModelRunner:
         slots = num_blocks * block_size
         shape = (slots, model.num_kv_heads, model.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
             for _ in range(model.num_layers)
         ]
         self.encoder_outputs: dict[str, torch.Tensor] = {}
@@ -113,6 +116,9 @@ class ModelRunner:
             for c in sampled_chunks
         ]
         tokens = sample(
-            logits, [c.params for c in sampled_chunks], [c.generator for c in sampled_chunks], banned
+            logits,
+            [c.params for c in sampled_chunks],
+            [c.generator for c in sampled_chunks],
+            banned,
         )
         return {c.request_id: t for c, t in zip(sampled_chunks, tokens, strict=True)}

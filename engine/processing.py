@@ -243,7 +243,9 @@ def mrope_positions(
             pos += n
         t, h, w = im.grid_thw
         h, w = h // spatial_merge_size, w // spatial_merge_size
-        tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+        tt, hh, ww = torch.meshgrid(
+            torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"
+        )
         chunks.append(torch.stack([tt, hh, ww]).reshape(3, -1) + pos)
         pos += max(h, w)
         cursor = im.offset + im.num_tokens

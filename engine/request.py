@@ -110,7 +110,7 @@ class Request:
 
     @property
     def is_prefill(self) -> bool:
-        """Still has more than the newest token to compute (prompt, or recompute after preemption)."""
+        """More than the newest token left to compute (prompt, or recompute after preemption)."""
         return self.num_tokens - self.num_computed_tokens > 1 or self.num_computed_tokens == 0
 
     def token_ids(self, start: int, end: int) -> list[int]:

@@ -262,7 +262,9 @@ class Scheduler:
                 )
                 out.evicted_encoder_hashes.extend(evicted)
                 if must_encode:
-                    out.encoder_jobs.append(EncoderJob(im.content_hash, im.pixel_values, im.grid_thw))
+                    out.encoder_jobs.append(
+                        EncoderJob(im.content_hash, im.pixel_values, im.grid_thw)
+                    )
             image_slices.append((im.content_hash, lo - im.offset, hi - im.offset, lo - start))
         out.chunks.append(
             ScheduledChunk(

@@ -1,6 +1,7 @@
 """Paged attention over a flat mixed batch, in portable torch (CPU and GPU).
 
-The KV cache of one layer is a flat array of slots ``[num_blocks * block_size, kv_heads, head_dim]``;
+The KV cache of one layer is a flat array of slots
+``[num_blocks * block_size, kv_heads, head_dim]``;
 a request's block table maps its token index ``i`` to slot
 ``block_table[i // block_size] * block_size + i % block_size``. New keys/values are written
 to their slots first, then each query attends to the slots of its own request's context.
@@ -59,9 +60,7 @@ def build_attention_metadata(
         slot_parts.append(slots[start:])
 
     num_decodes = 0
-    while (
-        num_decodes < len(lengths) and lengths[num_decodes] == 1 and starts[num_decodes] > 0
-    ):
+    while num_decodes < len(lengths) and lengths[num_decodes] == 1 and starts[num_decodes] > 0:
         num_decodes += 1
 
     meta = AttentionMetadata(

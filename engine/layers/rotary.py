@@ -23,7 +23,9 @@ class MRotaryEmbedding:
         axis = [i % 3 for i, n in enumerate(mrope_section) for _ in range(n)]
         self.band_axis = torch.tensor(axis, dtype=torch.long, device="cpu")
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [3, T] int64 -> cos, sin: [T, head_dim] in ``dtype``."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)

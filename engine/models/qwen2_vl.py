@@ -74,7 +74,7 @@ class DecoderLayer(nn.Module):
 
 
 def build_vision_tower(hf_config, architecture: str) -> nn.Module:
-    """The family's ``transformers`` vision tower: it runs once per image, so reuse beats rewrite."""
+    """The family's ``transformers`` vision tower: it runs once per image; reuse beats rewrite."""
     if architecture == "Qwen2_5_VLForConditionalGeneration":
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
             Qwen2_5_VisionTransformerPretrainedModel as Tower,
@@ -94,7 +94,9 @@ class Qwen2VLModel(nn.Module):
         text = hf_config.text_config
         self.text_config = text
         self.vision_config = hf_config.vision_config
-        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.head_dim = (
+            getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        )
         self.num_kv_heads = text.num_key_value_heads
         self.num_layers = text.num_hidden_layers
         self.image_token_id = hf_config.image_token_id
@@ -137,7 +139,9 @@ class Qwen2VLModel(nn.Module):
         return self.lm_head(hidden).float()
 
     @torch.inference_mode()
-    def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+    def encode_images(
+        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+    ) -> list[torch.Tensor]:
         """Vision tower over several images at once; one embedding tensor per image."""
         dtype = next(self.visual.parameters()).dtype
         out = self.visual(pixel_values.to(dtype), grid_thw=grid_thw)
@@ -147,7 +151,7 @@ class Qwen2VLModel(nn.Module):
 
     # ---- weights --------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors in by name, fusing q/k/v and gate/up; fail on anything missing."""
+        """Copy checkpoint tensors in by name, fusing q/k/v and gate/up; fail if any is missing."""
         params = dict(self.named_parameters())
         buffers = dict(self.named_buffers())
         loaded: set[str] = set()

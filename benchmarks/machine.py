@@ -1,0 +1,49 @@
+"""Machine limits measured in the same run as a benchmark: matmul peak and memory bandwidth.
+
+Ratios against these (MFU, bandwidth utilisation) say how close to the machine we run,
+independent of which CPU or GPU the numbers came from.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def _best_time(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def matmul_peak_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of a large square matmul: the practical compute roof for this dtype."""
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    return 2 * n**3 / _best_time(lambda: a @ b, repeats)
+
+
+def memory_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Read bandwidth (bytes/s): a max-reduction streaming a buffer much larger than cache
+    (fp32: a bf16 reduction is bound by conversion, not memory)."""
+    x = torch.ones(num_bytes // 4, dtype=torch.float32)
+    return num_bytes / _best_time(lambda: x.max(), repeats)
+
+
+def measure(device: str = "cpu") -> dict[str, float]:
+    return {
+        "matmul_peak_fp32_gflops": matmul_peak_flops(torch.float32) / 1e9,
+        "matmul_peak_bf16_gflops": matmul_peak_flops(torch.bfloat16) / 1e9,
+        "mem_bandwidth_gbs": memory_bandwidth() / 1e9,
+        "threads": torch.get_num_threads(),
+    }
+
+
+if __name__ == "__main__":
+    for k, v in measure().items():
+        print(f"{k}: {v:.1f}")

@@ -1,0 +1,244 @@
+"""Offline throughput: our engine vs ``transformers`` ``generate()`` on the same checkpoint.
+
+Also measures, in the same run, the machine's bf16 matmul peak and memory bandwidth, and from
+them single-stream decode bandwidth utilisation and frame-prompt prefill MFU, both ways.
+
+    python benchmarks/offline_throughput.py                 # bench checkpoint, CPU defaults
+    python benchmarks/offline_throughput.py --num-requests 4 --max-tokens 8 --model DIR  # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from benchmarks.common import bench_checkpoint, camera_frame, log, save_json, setup_env
+from benchmarks.machine import matmul_peak_flops, memory_bandwidth
+
+
+def conv(i: int, image) -> list[dict]:
+    text = f"Camera {i}: describe the people in this frame and what they are doing."
+    return [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": image}, {"type": "text", "text": text}],
+        }
+    ]
+
+
+def text_params(model) -> tuple[int, int]:
+    """(matmul parameters of the decoder per token incl. lm_head, bytes read per decode step)."""
+    n = 0
+    for name, p in model.named_parameters():
+        if name.startswith("visual.") or name.startswith("embed_tokens"):
+            continue
+        n += p.numel()
+    if model.tie_word_embeddings:
+        n += model.lm_head.weight.numel()
+    return n, n * model.lm_head.weight.element_size()
+
+
+def attention_flops(cfg, tokens: int) -> float:
+    """Causal attention QK^T and PV over a prompt: 2 matmuls x 2 FLOP x heads x d x T^2 / 2."""
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    return 2 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * tokens * tokens / 2
+
+
+# ---- our engine ------------------------------------------------------------------------------
+def ours(args, model_dir, frames):
+    from engine import LLM, SamplingParams
+
+    llm = LLM(
+        str(model_dir),
+        dtype=args.dtype,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.num_requests,
+    )
+    eng = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    llm.chat(conv(0, frames[0]), SamplingParams(temperature=0, max_tokens=2))  # warm-up
+
+    # throughput: all requests at once
+    convs = [conv(i, frames[i % len(frames)]) for i in range(args.num_requests)]
+    t0 = time.perf_counter()
+    outs = llm.chat(convs, params)
+    elapsed = time.perf_counter() - t0
+    gen = sum(len(o.outputs[0].token_ids) for o in outs)
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+
+    # single-stream decode: per-step time once the prompt is in
+    eng.add_request(
+        "decode",
+        [{"role": "user", "content": "Say something long."}],
+        SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True),
+    )
+    eng.step()
+    times = []
+    while eng.has_unfinished():
+        t = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t)
+    decode_step = statistics.median(times)
+
+    # frame prefill: one ~1,000-token image prompt, whole prompt in one step
+    eng.add_request("prefill", conv(99, frames[-1]), SamplingParams(temperature=0, max_tokens=1))
+    t = time.perf_counter()
+    eng.step()
+    prefill_total = time.perf_counter() - t
+    prefill_tokens = eng.stats.last_step_prefill_tokens
+    encoder_s = eng.stats.last_step_encoder_s
+    while eng.has_unfinished():
+        eng.step()
+    return {
+        "elapsed_s": elapsed,
+        "generated_tokens": gen,
+        "prompt_tokens": prompt,
+        "output_tok_s": gen / elapsed,
+        "total_tok_s": (gen + prompt) / elapsed,
+        "decode_step_s": decode_step,
+        "prefill_tokens": prefill_tokens,
+        "prefill_total_s": prefill_total,
+        "prefill_encoder_s": encoder_s,
+        "prefill_lm_s": prefill_total - encoder_s,
+        "model": eng.model,
+        "cfg": eng.hf_config.text_config,
+    }
+
+
+# ---- transformers baseline ---------------------------------------------------------------------
+def hf(args, model_dir, frames, dtype):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).eval()
+
+    def encode(c):
+        msgs = [{"role": "user", "content": [{"type": "image"}, c[0]["content"][1]]}]
+        text = processor.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        return processor(text=[text], images=[c[0]["content"][0]["image"]], return_tensors="pt")
+
+    def generate(enc, n):
+        with torch.inference_mode():
+            return model.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+    generate(encode(conv(0, frames[0])), 2)  # warm-up
+    n_req = min(args.hf_requests, args.num_requests)
+    t0 = time.perf_counter()
+    gen = 0
+    for i in range(n_req):
+        enc = encode(conv(i, frames[i % len(frames)]))
+        out = generate(enc, args.max_tokens)
+        gen += out.shape[1] - enc["input_ids"].shape[1]
+    elapsed = time.perf_counter() - t0
+
+    text_msgs = [{"role": "user", "content": [{"type": "text", "text": "Say something long."}]}]
+    text = processor.apply_chat_template(text_msgs, add_generation_prompt=True, tokenize=False)
+    enc = processor(text=[text], return_tensors="pt")
+    t = time.perf_counter()
+    generate(enc, 1)
+    t1 = time.perf_counter() - t
+    t = time.perf_counter()
+    generate(enc, args.decode_tokens)
+    tn = time.perf_counter() - t
+    decode_step = (tn - t1) / (args.decode_tokens - 1)
+
+    enc = encode(conv(99, frames[-1]))
+    with torch.inference_mode():
+        t = time.perf_counter()
+        model.model.get_image_features(enc["pixel_values"], enc["image_grid_thw"])
+        vision_s = time.perf_counter() - t
+    t = time.perf_counter()
+    generate(enc, 1)
+    prefill_total = time.perf_counter() - t
+    return {
+        "requests": n_req,
+        "elapsed_s": elapsed,
+        "output_tok_s": gen / elapsed,
+        "decode_step_s": decode_step,
+        "prefill_tokens": enc["input_ids"].shape[1],
+        "prefill_total_s": prefill_total,
+        "prefill_encoder_s": vision_s,
+        "prefill_lm_s": prefill_total - vision_s,
+    }
+
+
+def main() -> None:
+    setup_env()
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", help="checkpoint dir (default: generate the bench preset)")
+    ap.add_argument("--family", default="qwen2_vl")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--num-requests", type=int, default=16)
+    ap.add_argument("--hf-requests", type=int, default=3, help="requests run through transformers")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--image-size", default="640x480")
+    ap.add_argument("--out", default="offline_throughput.json")
+    args = ap.parse_args()
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    w, h = (int(x) for x in args.image_size.split("x"))
+    model_dir = bench_checkpoint(args.family, args.model)
+    frames = [camera_frame(w, h, seed=s) for s in range(4)]
+
+    log("measuring machine limits")
+    peak = matmul_peak_flops(dtype)
+    bandwidth = memory_bandwidth()
+    log(f"{args.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s, bandwidth {bandwidth / 1e9:.1f} GB/s")
+
+    log(f"our engine: {args.num_requests} image requests x {args.max_tokens} tokens")
+    o = ours(args, model_dir, frames)
+    log(f"transformers generate(): {args.hf_requests} requests one at a time")
+    b = hf(args, model_dir, frames, dtype)
+
+    model, cfg = o.pop("model"), o.pop("cfg")
+    n_params, bytes_per_token = text_params(model)
+    bound_step = bytes_per_token / bandwidth
+
+    def prefill_mfu(r):
+        flops = 2 * n_params * r["prefill_tokens"] + attention_flops(cfg, r["prefill_tokens"])
+        return flops / r["prefill_lm_s"] / peak
+
+    summary = {
+        "machine": {
+            "peak_gflops": peak / 1e9,
+            "bandwidth_gbs": bandwidth / 1e9,
+            "threads": torch.get_num_threads(),
+        },
+        "checkpoint": str(model_dir),
+        "dtype": args.dtype,
+        "decoder_params_m": n_params / 1e6,
+        "ours": o,
+        "transformers": b,
+        "throughput_ratio": o["output_tok_s"] / b["output_tok_s"],
+        "decode_bw_util": {
+            "ours": bound_step / o["decode_step_s"],
+            "transformers": bound_step / b["decode_step_s"],
+        },
+        "prefill_mfu": {"ours": prefill_mfu(o), "transformers": prefill_mfu(b)},
+        "args": vars(args),
+    }
+    print()
+    rows = [
+        ("output tok/s", o["output_tok_s"], b["output_tok_s"], ".1f"),
+        ("decode step ms", o["decode_step_s"] * 1e3, b["decode_step_s"] * 1e3, ".1f"),
+        ("decode bandwidth util", *summary["decode_bw_util"].values(), ".1%"),
+        ("frame prefill tokens", o["prefill_tokens"], b["prefill_tokens"], "d"),
+        ("  vision tower s", o["prefill_encoder_s"], b["prefill_encoder_s"], ".2f"),
+        ("  language model s", o["prefill_lm_s"], b["prefill_lm_s"], ".2f"),
+        ("  LM prefill MFU", *summary["prefill_mfu"].values(), ".1%"),
+    ]
+    print(f"{'':28}{'ours':>12}{'transformers':>14}")
+    for name, ours_v, hf_v, fmt in rows:
+        print(f"{name:28}{ours_v:12{fmt}}{hf_v:14{fmt}}")
+    print(f"throughput ratio (ours / transformers): {summary['throughput_ratio']:.2f}x")
+    save_json(args.out, summary)
+
+
+if __name__ == "__main__":
+    main()

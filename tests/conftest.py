@@ -1,0 +1,50 @@
+"""Fixtures shared by every test package: offline settings and generated tiny checkpoints."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("YOLO_OFFLINE", "1")
+os.environ.setdefault("YOLO_AUTOINSTALL", "False")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path
+
+import pytest
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+
+
+@pytest.fixture(scope="session")
+def checkpoint_factory(tmp_path_factory):
+    """make_model once per (family, preset) per test session."""
+    from engine.checkpoints import make_model
+
+    made: dict[tuple[str, str], Path] = {}
+
+    def get(family: str = "qwen2_vl", preset: str = "tiny") -> Path:
+        key = (family, preset)
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"{family}-{preset}")
+            made[key] = make_model(family, preset, out, seed=0)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_vl(checkpoint_factory) -> Path:
+    return checkpoint_factory("qwen2_vl")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_5_vl(checkpoint_factory) -> Path:
+    return checkpoint_factory("qwen2_5_vl")
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def tiny_checkpoint(request, checkpoint_factory) -> Path:
+    """Parametrised over both families: a test using it runs once per family."""
+    return checkpoint_factory(request.param)

@@ -1,0 +1,64 @@
+"""Helpers for engine tests: synthetic images, conversations, the transformers reference."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+
+def noise_image(width: int, height: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8))
+
+
+def text_conv(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def image_conv(text: str, *images: Image.Image) -> list[dict]:
+    parts = [{"type": "image", "image": im} for im in images]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+@cache
+def _hf(checkpoint: str):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(checkpoint)
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    return processor, model
+
+
+def hf_greedy(checkpoint: Path, conversation: list[dict], max_new_tokens: int) -> list[int]:
+    """What a user gets from ``transformers`` ``generate()`` (greedy, fp32) for a conversation."""
+    processor, model = _hf(str(checkpoint))
+    hf_messages, images = [], []
+    for msg in conversation:
+        content = msg["content"]
+        if isinstance(content, str):
+            content = [{"type": "text", "text": content}]
+        parts = []
+        for part in content:
+            if part["type"] == "image":
+                images.append(part["image"])
+                parts.append({"type": "image"})
+            else:
+                parts.append(part)
+        hf_messages.append({"role": msg["role"], "content": parts})
+    text = processor.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
+    enc = processor(text=[text], images=images or None, return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, enc["input_ids"].shape[1] :].tolist()
+
+
+def truncate_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    """HF stops at eos and includes it, as does the engine; compare up to the same point."""
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens

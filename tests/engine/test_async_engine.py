@@ -1,0 +1,76 @@
+"""The async engine serves many coroutines at once and matches the offline engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import LLM, AsyncEngine, EngineArgs, SamplingParams
+from engine.errors import InvalidImageError
+from tests.engine.helpers import image_conv, noise_image, text_conv
+
+
+@pytest.fixture(scope="module")
+def async_engine(tiny_qwen2_vl):
+    engine = AsyncEngine(
+        EngineArgs(model=str(tiny_qwen2_vl), dtype="float32", max_num_batched_tokens=32)
+    )
+    yield engine
+    engine.shutdown()
+
+
+async def _collect(engine, rid, conv, params):
+    stream = await engine.add_request(rid, conv, params)
+    text, last = "", None
+    async for out in stream:
+        text += out.outputs[0].delta_text
+        last = out
+    return text, last
+
+
+async def test_concurrent_requests_match_offline(async_engine, tiny_qwen2_vl):
+    convs = [text_conv(f"question {i} about the lobby camera") for i in range(5)]
+    convs.append(image_conv("describe", noise_image(112, 112, seed=3)))
+    params = SamplingParams(temperature=0, max_tokens=12)
+    results = await asyncio.gather(
+        *(_collect(async_engine, f"r{i}", c, params) for i, c in enumerate(convs))
+    )
+    offline = LLM(str(tiny_qwen2_vl), dtype="float32").chat(convs, params)
+    for (text, last), ref in zip(results, offline, strict=True):
+        assert last.finished
+        assert last.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert text == ref.outputs[0].text
+        assert last.metrics.first_token_time >= last.metrics.first_scheduled_time
+
+
+async def test_bad_image_raises_before_streaming(async_engine):
+    bad = [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": "data:image/jpeg;base64,AAAA"}}],
+        }
+    ]
+    with pytest.raises(InvalidImageError):
+        await async_engine.add_request("bad", bad, SamplingParams())
+    assert async_engine.is_alive()
+
+
+async def test_leaving_the_stream_early_aborts_and_frees_blocks(async_engine):
+    stream = await async_engine.add_request(
+        "long", text_conv("go on"), SamplingParams(max_tokens=500, ignore_eos=True)
+    )
+    aborted_before = async_engine.get_stats().num_aborted
+    got = 0
+    async for _ in stream:
+        got += 1
+        if got == 3:
+            break
+    for _ in range(100):
+        stats = async_engine.get_stats()
+        if stats.num_aborted > aborted_before and stats.num_running == 0:
+            break
+        await asyncio.sleep(0.05)
+    stats = async_engine.get_stats()
+    assert stats.num_aborted == aborted_before + 1
+    assert stats.kv_blocks_used == 0

@@ -1,0 +1,56 @@
+"""Running out of KV blocks preempts (recompute) without changing outputs; identical images are
+encoded once."""
+
+from __future__ import annotations
+
+from engine import LLM, SamplingParams
+from tests.engine.helpers import image_conv, noise_image, text_conv
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def _convs():
+    return [text_conv(f"request number {i}: describe the scene " * (1 + i % 3)) for i in range(6)]
+
+
+def test_small_kv_pool_preempts_and_outputs_are_unchanged(tiny_checkpoint):
+    roomy = LLM(str(tiny_checkpoint), dtype="float32", block_size=4)
+    reference = [o.outputs[0].token_ids for o in roomy.chat(_convs(), GREEDY)]
+
+    # each request needs ~12-22 blocks of 4 by the end; 40 blocks cannot hold all six
+    tight = LLM(str(tiny_checkpoint), dtype="float32", block_size=4, num_kv_blocks=40)
+    outs = tight.chat(_convs(), GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    stats = tight.engine.get_stats()
+    assert stats.num_preemptions > 0
+    assert stats.kv_blocks_used == 0, "finished requests must return every block"
+
+
+def test_same_image_twice_is_encoded_once(tiny_checkpoint):
+    frame = noise_image(112, 112, seed=21)
+    llm = LLM(str(tiny_checkpoint), dtype="float32")
+    alone = llm.chat(image_conv("What do you see?", frame), GREEDY)[0].outputs[0].token_ids
+    before = llm.engine.get_stats()
+    # same pixels, new PIL object, in a batch with a different question
+    convs = [image_conv("What do you see?", frame.copy()), image_conv("Anyone there?", frame)]
+    outs = llm.chat(convs, GREEDY)
+    after = llm.engine.get_stats()
+    assert after.encoder_cache_misses == before.encoder_cache_misses
+    assert after.encoder_cache_hits - before.encoder_cache_hits == 2
+    assert outs[0].outputs[0].token_ids == alone
+
+
+def test_abort_frees_everything_at_once(tiny_qwen2_vl):
+    llm = LLM(str(tiny_qwen2_vl), dtype="float32")
+    eng = llm.engine
+    eng.add_request("a", text_conv("keep talking"), SamplingParams(max_tokens=100, ignore_eos=True))
+    eng.add_request("b", text_conv("me too"), SamplingParams(max_tokens=100, ignore_eos=True))
+    for _ in range(5):
+        eng.step()
+    assert eng.get_stats().kv_blocks_used > 0
+    out = eng.abort("a")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    eng.abort("b")
+    stats = eng.get_stats()
+    assert stats.kv_blocks_used == 0 and stats.num_running == 0 and stats.num_aborted == 2
+    assert not eng.has_unfinished()
