@@ -675,10 +675,12 @@ def build_model(family: str, preset: Preset, seed: int) -> PreTrainedModel:
     import torch
     from transformers import AutoModelForImageTextToText
 
-    torch.manual_seed(seed)  # transformers' own init runs first; we overwrite all of it
-    model = AutoModelForImageTextToText.from_config(
-        build_config(family, preset), dtype=torch.float32
-    )
+    # transformers' own init draws from the global RNG; fork it so callers' state is untouched
+    # (every parameter is overwritten from ``seed`` below anyway).
+    with torch.random.fork_rng(devices=[]):
+        model = AutoModelForImageTextToText.from_config(
+            build_config(family, preset), dtype=torch.float32
+        )
     _init_weights(model, preset, added_token_ids(family, preset.vocab_size)[ENDOFTEXT], seed)
     model.generation_config = build_generation_config(family, preset)
     model.eval()
@@ -851,6 +853,10 @@ def save_checkpoint(model: PreTrainedModel, processor: ProcessorMixin, out: Path
     model.save_pretrained(out)
     processor.save_pretrained(out)
     _save_preprocessor_config(processor, out)
+    # The weights file is written through a private temp file (mode 0600); make it readable like
+    # the JSON files so a server running as another user (e.g. in a container) can load it.
+    for weights in out.glob("*.safetensors"):
+        weights.chmod(0o644)
 
 
 def _save_preprocessor_config(processor: ProcessorMixin, out: Path) -> None:

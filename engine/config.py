@@ -32,6 +32,9 @@ class EngineArgs:
     kv_cache_memory_gb: float = 2.0
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0: no per-request cap below the step budget
+    enable_prefix_caching: bool = True
+    # SLO-driven budget: target step time (ms) while interactive streams decode, or "auto"
+    target_itl_ms: str | None = None
     encoder_cache_size: int = 16384  # image embeddings (tokens) kept for reuse
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU (None: torch default)
@@ -45,6 +48,24 @@ class EngineArgs:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        self.target_itl_s()  # validate early
+
+    def target_itl_s(self) -> float | str | None:
+        """``target_itl_ms`` as the scheduler wants it: seconds, "auto" or None (off)."""
+        value = self.target_itl_ms
+        if value is None or str(value).lower() in ("", "none", "off"):
+            return None
+        if str(value).lower() == "auto":
+            return "auto"
+        try:
+            ms = float(value)
+        except ValueError:
+            raise ValueError(
+                f"target_itl_ms must be a number of ms or 'auto', got {value!r}"
+            ) from None
+        if ms <= 0:
+            raise ValueError("target_itl_ms must be positive")
+        return ms / 1e3
 
 
 def _flag(name: str) -> str:

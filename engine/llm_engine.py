@@ -59,7 +59,7 @@ class LLMEngine:
         )
         # never more blocks than max_num_seqs full-length sequences could use
         num_blocks = min(num_blocks, args.max_num_seqs * -(-self.max_model_len // args.block_size))
-        self.kv = KVCacheManager(num_blocks, args.block_size)
+        self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.encoder_cache = EncoderCacheManager(args.encoder_cache_size)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -68,6 +68,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
+                target_itl_s=args.target_itl_s(),
             ),
             self.kv,
             self.encoder_cache,
@@ -222,6 +223,7 @@ class LLMEngine:
         if finished:
             self.detokenizers.pop(req.request_id, None)
             self.stats.total_generation_tokens += len(req.output_token_ids)
+            self.stats.record_finished(req)
         reason = req.status.value if finished else None
         return RequestOutput(
             request_id=req.request_id,
@@ -248,6 +250,7 @@ class LLMEngine:
         s = self.stats
         if sched.is_empty:
             return
+        self.scheduler.cost_model.observe(sched.features, elapsed)
         s.num_steps += 1
         s.last_step_time_s = elapsed
         s.total_step_time_s += elapsed
@@ -266,4 +269,9 @@ class LLMEngine:
         s.num_expired = self.scheduler.num_expired
         s.encoder_cache_hits = self.encoder_cache.hits
         s.encoder_cache_misses = self.encoder_cache.misses
-        return EngineStats(**vars(s))
+        s.prefix_cache_queries = self.kv.prefix_queries
+        s.prefix_cache_hits = self.kv.prefix_hits
+        s.cost_model = self.scheduler.cost_model.coefficients()
+        s.itl_target_s = self.scheduler.last_target_s
+        s.prefill_budget = self.scheduler.last_prefill_budget
+        return s.snapshot()

@@ -38,6 +38,9 @@ class RequestMetrics:
     finished_time: float | None = None
     num_prefill_chunks: int = 0
     num_preemptions: int = 0
+    itl_max_s: float = 0.0  # longest gap between two of its tokens (a stall shows here)
+    itl_total_s: float = 0.0
+    num_itl: int = 0
 
 
 @dataclass

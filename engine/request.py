@@ -100,6 +100,8 @@ class Request:
         self.num_cached_tokens = 0
         self.stop_reason: int | str | None = None
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        self.block_hashes: list[bytes] = []  # hash chain of full blocks (prefix caching)
+        self.deferred_steps = 0  # consecutive steps its prefill was held back by the ITL target
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
@@ -130,6 +132,27 @@ class Request:
             gen = torch.arange(lo, end, dtype=torch.long) + self.prompt.mrope_delta
             parts.append(gen.unsqueeze(0).expand(3, -1))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def full_block_hashes(self, num_tokens: int, block_size: int) -> list[bytes]:
+        """Hashes of the full blocks among the first ``num_tokens`` tokens (extended lazily)."""
+        from engine.kv_cache_manager import hash_block
+
+        full = num_tokens // block_size
+        while len(self.block_hashes) < full:
+            i = len(self.block_hashes)
+            start, end = i * block_size, (i + 1) * block_size
+            images = tuple(
+                (
+                    im.content_hash,
+                    max(start, im.offset) - im.offset,
+                    min(end, im.offset + im.num_tokens) - im.offset,
+                )
+                for im in self.prompt.images
+                if im.offset < end and im.offset + im.num_tokens > start
+            )
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            self.block_hashes.append(hash_block(parent, self.token_ids(start, end), images))
+        return self.block_hashes[:full]
 
     @property
     def finished(self) -> bool:

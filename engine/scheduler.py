@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.cost_model import StepCostModel, StepFeatures, chunk_attention_units
 from engine.encoder_cache import EncoderCacheManager
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Priority, Request, RequestStatus
@@ -61,6 +62,9 @@ class SchedulerOutput:
     evicted_encoder_hashes: list[str] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     expired: list[Request] = field(default_factory=list)
+    features: StepFeatures = field(default_factory=StepFeatures)  # what the cost model sees
+    predicted_s: float | None = None  # the cost model's estimate when a target was applied
+    target_s: float | None = None  # the ITL target this step was sized for (None: full budget)
 
     @property
     def num_decode_tokens(self) -> int:
@@ -82,6 +86,11 @@ class SchedulerConfig:
     max_model_len: int = 4096
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    # SLO-driven budget: None = off (fixed budget); a float = target step time in seconds while
+    # interactive requests decode; "auto" = auto_target_factor x the predicted decode-only step
+    target_itl_s: float | str | None = None
+    auto_target_factor: float = 1.25
+    max_deferred_steps: int = 200  # starvation guard for prefills held back by the target
 
 
 def _rank(req: Request) -> tuple[int, float]:
@@ -96,11 +105,15 @@ class Scheduler:
         kv: KVCacheManager,
         encoder_cache: EncoderCacheManager,
         clock: Callable[[], float] = time.monotonic,
+        cost_model: StepCostModel | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.encoder_cache = encoder_cache
         self.clock = clock
+        self.cost_model = cost_model or StepCostModel()
+        self.last_target_s: float | None = None
+        self.last_prefill_budget = config.max_num_batched_tokens
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -146,8 +159,10 @@ class Scheduler:
         self._expire_stale(out, now)
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
+        features = StepFeatures()
 
         # 1. decodes, one token each, best class first
+        interactive_decoding = False
         for req in sorted((r for r in self.running if not r.is_prefill), key=_rank):
             if budget < 1:
                 break
@@ -158,6 +173,14 @@ class Scheduler:
             self._emit(req, 1, out, now)
             scheduled.add(req.request_id)
             budget -= 1
+            features.decode_tokens += 1
+            features.attention_units += req.num_computed_tokens + 1
+            interactive_decoding |= req.priority is Priority.INTERACTIVE
+
+        # while interactive streams decode, the ITL target (if any) caps the prefill work
+        target = self._step_target(features) if interactive_decoding else None
+        out.target_s = target
+        prefill_tokens = 0
 
         # 2. prompt chunks: running part-done prompts and waiting requests, best class first;
         #    a waiting interactive request outranks a half-done batch prefill.
@@ -172,27 +195,98 @@ class Scheduler:
             is_waiting = req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             if is_waiting and len(self.running) >= self.config.max_num_seqs:
                 continue
-            n = self._chunk_size(req, budget, prefill_scheduled)
+            cached_blocks: list[int] = []
+            if is_waiting and req.num_computed_tokens == 0:
+                cached_blocks = self._cached_prefix(req)
+            computed = max(req.num_computed_tokens, len(cached_blocks) * self.kv.block_size)
+            n = self._chunk_size(req, computed, budget, prefill_scheduled)
+            if n and target is not None:
+                n = self._fit_under_target(req, computed, n, features, target)
             if n == 0:
-                if self.config.enable_chunked_prefill:
+                if self.config.enable_chunked_prefill and target is None:
                     break
                 continue
             if is_waiting:
-                if not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+                if not self.kv.allocate_with_prefix(
+                    req.request_id, cached_blocks, computed + n, req.num_tokens
+                ):
                     continue  # admissions never preempt; a smaller request may still fit
                 self.waiting.remove(req)
                 self.running.append(req)
                 req.status = RequestStatus.RUNNING
+                req.num_computed_tokens = computed
+                req.num_cached_tokens = max(req.num_cached_tokens, computed)
             elif not self._reserve(req, n, scheduled, out):
                 continue
+            req.deferred_steps = 0
+            features = features.plus(self._chunk_features(req, computed, n))
             self._emit(req, n, out, now)
             scheduled.add(req.request_id)
             prefill_scheduled = True
             budget -= n
+            prefill_tokens += n
+        out.features = features
+        if target is not None:
+            out.predicted_s = self.cost_model.predict(features)
+        self.last_target_s = target
+        self.last_prefill_budget = prefill_tokens if target is not None else budget + prefill_tokens
         return out
 
-    def _chunk_size(self, req: Request, budget: int, prefill_scheduled: bool) -> int:
-        remaining = req.num_tokens - req.num_computed_tokens
+    # ---- budget sizing --------------------------------------------------------------------
+    def _step_target(self, decode_features: StepFeatures) -> float | None:
+        target = self.config.target_itl_s
+        if target is None or not self.cost_model.ready:
+            return None
+        if target == "auto":
+            return self.config.auto_target_factor * self.cost_model.predict(decode_features)
+        return float(target)
+
+    def _chunk_features(self, req: Request, start: int, n: int) -> StepFeatures:
+        patches = 0
+        for im in req.prompt.images:
+            overlaps = im.offset < start + n and im.offset + im.num_tokens > start
+            if overlaps and not self.encoder_cache.contains(im.content_hash):
+                patches += im.pixel_values.shape[0]
+        return StepFeatures(
+            prefill_tokens=n,
+            attention_units=chunk_attention_units(start, n),
+            encoder_patches=patches,
+        )
+
+    def _fit_under_target(
+        self, req: Request, start: int, n: int, base: StepFeatures, target: float
+    ) -> int:
+        """Largest chunk (<= n) whose step still meets the target; 0 defers the prefill.
+        A prefill deferred for ``max_deferred_steps`` steps gets one block's worth anyway."""
+
+        def fits(k: int) -> bool:
+            return self.cost_model.predict(base.plus(self._chunk_features(req, start, k))) <= target
+
+        if fits(n):
+            return n
+        lo, hi = 0, n  # fits(lo) holds (lo = 0 means nothing), fits(hi) fails
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        if lo == 0:
+            req.deferred_steps += 1
+            if req.deferred_steps > self.config.max_deferred_steps:
+                return min(n, self.kv.block_size)
+        return lo
+
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """Reusable blocks for a request being admitted; at least one token is left to compute
+        (its logits give the next token)."""
+        if not self.kv.enable_prefix_caching:
+            return []
+        hashes = req.full_block_hashes(req.num_tokens - 1, self.kv.block_size)
+        return self.kv.find_cached_prefix(hashes)
+
+    def _chunk_size(self, req: Request, computed: int, budget: int, prefill_scheduled: bool) -> int:
+        remaining = req.num_tokens - computed
         if not self.config.enable_chunked_prefill:
             # whole prompt in one step; an oversized one runs alone rather than never
             if remaining <= budget or not prefill_scheduled:
@@ -299,6 +393,10 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens += chunk.num_tokens
+            self.kv.name_full_blocks(
+                req.request_id,
+                req.full_block_hashes(req.num_computed_tokens, self.kv.block_size),
+            )
             if req.metrics.prefill_done_time is None and (
                 req.num_computed_tokens >= req.num_prompt_tokens
             ):
@@ -307,9 +405,15 @@ class Scheduler:
                 continue
             token = sampled[chunk.request_id]
             req.output_token_ids.append(token)
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            req.metrics.last_token_time = now
+            m = req.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+            elif m.last_token_time is not None:
+                gap = now - m.last_token_time
+                m.itl_max_s = max(m.itl_max_s, gap)
+                m.itl_total_s += gap
+                m.num_itl += 1
+            m.last_token_time = now
             progressed.append((req, [token]))
             status = self._stop_status(req, token)
             if status is not None:

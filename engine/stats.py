@@ -1,8 +1,33 @@
-"""Engine counters, readable at any time (a snapshot, not live objects)."""
+"""Engine counters, readable at any time (snapshots, not live objects)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ClassStats:
+    """Per priority class (interactive / batch): where its latency went, what it lost."""
+
+    finished: int = 0
+    expired: int = 0
+    aborted: int = 0
+    preemptions: int = 0
+    queue_time_s_total: float = 0.0  # arrival -> first chunk scheduled
+    ttft_s_total: float = 0.0
+    ttft_count: int = 0
+    itl_s_total: float = 0.0
+    itl_count: int = 0
+    itl_max_s: float = 0.0
+
+    @property
+    def mean_ttft_s(self) -> float:
+        return self.ttft_s_total / self.ttft_count if self.ttft_count else 0.0
+
+    @property
+    def mean_itl_s(self) -> float:
+        return self.itl_s_total / self.itl_count if self.itl_count else 0.0
 
 
 @dataclass
@@ -16,7 +41,8 @@ class EngineStats:
     num_expired: int = 0
     encoder_cache_hits: int = 0
     encoder_cache_misses: int = 0
-    prefix_cache_hits: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found (not recomputed)
     num_steps: int = 0
     last_step_time_s: float = 0.0
     last_step_prefill_tokens: int = 0
@@ -26,7 +52,34 @@ class EngineStats:
     total_generation_tokens: int = 0
     total_prefill_tokens_computed: int = 0
     total_step_time_s: float = 0.0
+    cost_model: dict[str, float] = field(default_factory=dict)  # learnt step-time coefficients
+    itl_target_s: float | None = None  # target applied to the last step (None: full budget)
+    prefill_budget: int = 0  # prefill tokens the last step allowed
+    per_class: dict[str, ClassStats] = field(default_factory=dict)
 
     @property
     def kv_usage(self) -> float:
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    def record_finished(self, req) -> None:
+        cls = self.per_class.setdefault(req.priority.name.lower(), ClassStats())
+        m = req.metrics
+        status = req.status.value
+        if status == "expired":
+            cls.expired += 1
+        elif status == "abort":
+            cls.aborted += 1
+        else:
+            cls.finished += 1
+        cls.preemptions += m.num_preemptions
+        if m.first_scheduled_time is not None:
+            cls.queue_time_s_total += m.first_scheduled_time - m.arrival_time
+        if m.first_token_time is not None:
+            cls.ttft_s_total += m.first_token_time - m.arrival_time
+            cls.ttft_count += 1
+        cls.itl_s_total += m.itl_total_s
+        cls.itl_count += m.num_itl
+        cls.itl_max_s = max(cls.itl_max_s, m.itl_max_s)
+
+    def snapshot(self) -> EngineStats:
+        return copy.deepcopy(self)

@@ -28,7 +28,8 @@ def test_small_kv_pool_preempts_and_outputs_are_unchanged(tiny_checkpoint):
 
 def test_same_image_twice_is_encoded_once(tiny_checkpoint):
     frame = noise_image(112, 112, seed=21)
-    llm = LLM(str(tiny_checkpoint), dtype="float32")
+    # prefix caching off: otherwise the repeated prompt never reaches the encoder at all
+    llm = LLM(str(tiny_checkpoint), dtype="float32", enable_prefix_caching=False)
     alone = llm.chat(image_conv("What do you see?", frame), GREEDY)[0].outputs[0].token_ids
     before = llm.engine.get_stats()
     # same pixels, new PIL object, in a batch with a different question
