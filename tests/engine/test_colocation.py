@@ -1,0 +1,248 @@
+"""Co-location policy: interactive first, batch by deadline, prefix reuse, an ITL-sized budget.
+
+Timing-dependent behaviour is driven with a fake clock and a synthetic cost model; output
+equality uses the real tiny model.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.cost_model import StepCostModel, StepFeatures
+from tests.engine.helpers import image_conv, noise_image, text_conv
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _engine(checkpoint, clock=None, **kw):
+    llm = LLM(str(checkpoint), dtype="float32", **kw)
+    if clock is not None:
+        llm.engine.scheduler.clock = clock
+    return llm, llm.engine
+
+
+def _run_to_completion(eng) -> dict[str, list[int]]:
+    done = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return done
+
+
+def _frame_conv(seed=31):
+    return image_conv("Describe everyone in view.", noise_image(224, 168, seed=seed))
+
+
+def test_interactive_request_is_scheduled_the_step_after_it_arrives(tiny_qwen2_vl):
+    llm, eng = _engine(tiny_qwen2_vl, max_num_batched_tokens=8)
+    alone = llm.chat(_frame_conv(), GREEDY)[0].outputs[0].token_ids
+
+    llm, eng = _engine(tiny_qwen2_vl, max_num_batched_tokens=8, enable_prefix_caching=False)
+    eng.add_request("cam", _frame_conv(), GREEDY, priority="batch")
+    eng.step()
+    eng.step()
+    cam = eng.scheduler.requests["cam"]
+    assert 0 < cam.num_computed_tokens < cam.num_prompt_tokens, "batch prefill is mid-way"
+    eng.add_request("chat", text_conv("hi"), GREEDY, priority="interactive")
+    sched = eng.scheduler.schedule()
+    ids = [c.request_id for c in sched.chunks]
+    assert ids[0] == "chat", "the waiting interactive request takes the budget first"
+    assert sum(c.num_tokens for c in sched.chunks if c.request_id == "chat") == 8
+    result = eng.runner.execute(sched)
+    eng.scheduler.update_from_output(sched, result.sampled)
+    assert eng.scheduler.requests["cam"].num_computed_tokens > 0, "paused, KV kept"
+    done = _run_to_completion(eng)
+    assert done["cam"] == alone
+
+
+def test_expired_batch_requests_cost_no_compute_and_are_counted(tiny_qwen2_vl):
+    clock = FakeClock()
+    _, eng = _engine(tiny_qwen2_vl, clock, max_num_batched_tokens=16)
+    eng.add_request("chat", text_conv("a long answer please " * 4), GREEDY)
+    for i in range(3):
+        eng.add_request(
+            f"cam{i}",
+            _frame_conv(40 + i),
+            GREEDY,
+            priority="batch",
+            deadline_s=0.5,
+            arrival_time=clock.now,
+        )
+    eng.add_request(
+        "cam-patient",
+        _frame_conv(50),
+        GREEDY,
+        priority="batch",
+        deadline_s=1e6,
+        arrival_time=clock.now,
+    )
+    clock.now += 1.0  # every cam deadline but the patient one has passed, none started
+    seen = set()
+    outputs = {}
+    while eng.has_unfinished():
+        sched = eng.scheduler.schedule()
+        seen |= {c.request_id for c in sched.chunks}
+        assert not any(j for j in sched.encoder_jobs if j.content_hash is None)
+        result = eng.runner.execute(sched) if not sched.is_empty else None
+        _, finished = eng.scheduler.update_from_output(sched, result.sampled if result else {})
+        for req in finished:
+            outputs[req.request_id] = req.status.value
+    assert not seen & {"cam0", "cam1", "cam2"}, "expired requests never reach the model"
+    assert {outputs[f"cam{i}"] for i in range(3)} == {"expired"}
+    assert outputs["cam-patient"] == "length"
+    assert eng.scheduler.num_expired == 3
+
+
+def test_preemption_takes_batch_work_first_newest_first(tiny_qwen2_vl):
+    convs = {
+        "chat0": text_conv("interactive one " * 3),
+        "chat1": text_conv("interactive two " * 3),
+        "cam0": text_conv("batch one " * 3),
+        "cam1": text_conv("batch two " * 3),
+    }
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    llm, _ = _engine(tiny_qwen2_vl, block_size=4)
+    reference = {k: llm.chat(c, params)[0].outputs[0].token_ids for k, c in convs.items()}
+
+    _, eng = _engine(tiny_qwen2_vl, block_size=4, num_kv_blocks=48, enable_prefix_caching=False)
+    for i, (rid, conv) in enumerate(convs.items()):
+        eng.add_request(
+            rid,
+            conv,
+            params,
+            priority="batch" if rid.startswith("cam") else None,
+            arrival_time=100.0 + i,
+        )
+    preempted_order = []
+    done = {}
+    while eng.has_unfinished():
+        running_before = [r.request_id for r in eng.scheduler.running]
+        sched = eng.scheduler.schedule()
+        if sched.preempted_ids and not preempted_order:
+            batch_running = [r for r in running_before if r.startswith("cam")]
+            assert batch_running, "batch work was running: it must be the first victim"
+            assert sched.preempted_ids[0] == max(batch_running), "newest batch request first"
+        preempted_order += sched.preempted_ids
+        result = eng.runner.execute(sched)
+        _, finished = eng.scheduler.update_from_output(sched, result.sampled)
+        done.update({r.request_id: r.output_token_ids for r in finished})
+    assert preempted_order, "the pool must be too small for all four"
+    first_chat = next((i for i, r in enumerate(preempted_order) if r.startswith("chat")), None)
+    if first_chat is not None:
+        assert preempted_order[:first_chat], "interactive work is preempted only after batch"
+    assert done == reference
+
+
+def test_prefix_cache_hits_for_repeated_system_prompt_and_image(tiny_checkpoint):
+    system = {"role": "system", "content": "You watch the loading dock cameras. " * 6}
+    frame = noise_image(224, 224, seed=77)
+    llm, eng = _engine(tiny_checkpoint)
+    cold = LLM(str(tiny_checkpoint), dtype="float32", enable_prefix_caching=False)
+
+    first = [system, {"role": "user", "content": "Is anyone at the dock?"}]
+    second = [system, {"role": "user", "content": "Any trucks?"}]
+    expected = [o.outputs[0].token_ids for o in cold.chat([first, second], GREEDY)]
+    out1 = llm.chat(first, GREEDY)[0]
+    before = eng.get_stats().prefix_cache_hits
+    out2 = llm.chat(second, GREEDY)[0]
+    assert eng.get_stats().prefix_cache_hits - before >= 16 * 3, "system prompt reused"
+    assert out2.num_cached_tokens >= 48
+    assert [out1.outputs[0].token_ids, out2.outputs[0].token_ids] == expected
+
+    conv = image_conv("Who is this?", frame)
+    ref = cold.chat(conv, GREEDY)[0].outputs[0].token_ids
+    llm.chat(conv, GREEDY)
+    misses = eng.get_stats().encoder_cache_misses
+    again = llm.chat(image_conv("Who is this?", frame.copy()), GREEDY)[0]
+    assert again.num_cached_tokens >= again.num_image_tokens, "the frame's blocks were reused"
+    assert eng.get_stats().encoder_cache_misses == misses, "and not re-encoded"
+    assert again.outputs[0].token_ids == ref
+
+
+SYNTHETIC = {
+    "fixed": 0.004,
+    "prefill_tokens": 0.0005,
+    "decode_tokens": 0.001,
+    "attention_kunits": 0.0001,
+    "encoder_patches": 0.0002,
+}
+
+
+@pytest.mark.parametrize("target_ms", [10.0, 20.0])
+def test_adaptive_budget_keeps_predicted_step_under_target(tiny_qwen2_vl, target_ms):
+    _, eng = _engine(tiny_qwen2_vl, max_num_batched_tokens=512, target_itl_ms=str(target_ms))
+    model = StepCostModel(coefficients=SYNTHETIC)
+    eng.scheduler.cost_model = model
+    chat = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
+    eng.add_request("chat", text_conv("hello"), chat)
+    eng.step()  # chat prefill
+    eng.add_request(
+        "cam", _frame_conv(90), SamplingParams(temperature=0, max_tokens=2), priority="batch"
+    )
+    eng.add_request(
+        "cam2",
+        text_conv("report " * 60),
+        SamplingParams(temperature=0, max_tokens=2),
+        priority="batch",
+    )
+    capped_steps, full_steps = 0, 0
+    while eng.has_unfinished():
+        sched = eng.scheduler.schedule()
+        chat_decoding = any(c.request_id == "chat" and c.is_decode for c in sched.chunks)
+        if chat_decoding:
+            assert sched.target_s == pytest.approx(target_ms / 1e3)
+            assert model.predict(sched.features) <= target_ms / 1e3 + 1e-9
+            if sched.num_prefill_tokens:
+                capped_steps += 1
+        elif sched.num_prefill_tokens:
+            assert sched.target_s is None
+            full_steps += 1
+            remaining = sum(
+                r.num_tokens - r.num_computed_tokens
+                for r in eng.scheduler.waiting + eng.scheduler.running
+                if r.is_prefill
+            )
+            assert sched.num_prefill_tokens == min(512, remaining), "full budget without chat"
+        result = eng.runner.execute(sched)
+        eng.step_outputs = eng.scheduler.update_from_output(sched, result.sampled)
+    assert capped_steps > 0 and full_steps > 0
+
+
+def test_auto_target_follows_the_decode_only_step(tiny_qwen2_vl):
+    _, eng = _engine(tiny_qwen2_vl, max_num_batched_tokens=512, target_itl_ms="auto")
+    eng.scheduler.cost_model = StepCostModel(coefficients=SYNTHETIC)
+    eng.add_request("chat", text_conv("hello"), SamplingParams(max_tokens=10, ignore_eos=True))
+    eng.step()
+    eng.add_request("cam", text_conv("x " * 200), SamplingParams(max_tokens=1), priority="batch")
+    chat_context = eng.scheduler.requests["chat"].num_computed_tokens
+    sched = eng.scheduler.schedule()
+    decode_only = eng.scheduler.cost_model.predict(
+        StepFeatures(decode_tokens=1, attention_units=chat_context + 1)
+    )
+    assert sched.target_s == pytest.approx(1.25 * decode_only, rel=1e-6)
+    assert 0 < sched.num_prefill_tokens < 200
+
+
+def test_cost_model_learns_a_linear_step_time():
+    model = StepCostModel(refit_every=1)
+    truth = StepCostModel(coefficients=SYNTHETIC)
+    for i in range(40):
+        f = StepFeatures(
+            prefill_tokens=(i * 37) % 300,
+            decode_tokens=i % 9,
+            attention_units=(i * 1000) % 7000,
+            encoder_patches=(i % 5) * 64,
+        )
+        model.observe(f, truth.predict(f))
+    for name, value in SYNTHETIC.items():
+        assert model.coefficients()[name] == pytest.approx(value, rel=1e-3, abs=1e-7)
