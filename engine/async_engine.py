@@ -12,6 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -176,7 +177,10 @@ class AsyncEngine:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                for out in self.engine.step():
+                outputs = self.engine.step()
+                if not outputs and self.engine.last_step_idle:
+                    time.sleep(0.001)  # nothing schedulable yet (e.g. KV full): don't spin
+                for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if stream is None:
                         continue

@@ -77,6 +77,7 @@ class LLMEngine:
             self.model, num_blocks, args.block_size, self.dtype, self.device, self.eos_token_ids
         )
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.last_step_idle = False  # the last step had nothing to run
         self.stats = EngineStats(kv_blocks_total=num_blocks)
         log.info(
             "engine_ready model=%s arch=%s dtype=%s device=%s kv_blocks=%d block_size=%d "
@@ -183,6 +184,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        self.last_step_idle = sched.is_empty and not sched.expired
         result = self.runner.execute(sched) if not sched.is_empty else None
         progressed, finished = self.scheduler.update_from_output(
             sched, result.sampled if result else {}

@@ -119,7 +119,9 @@ class Request:
         n = self.num_prompt_tokens
         if end <= n:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        if start >= n:  # decode: no copy of the prompt
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
     def positions(self, start: int, end: int) -> torch.Tensor:
         """[3, end-start] M-RoPE positions for token indices [start, end)."""
