@@ -1,0 +1,437 @@
+"""Describer workers: frames from the Redis consumer group -> VLM -> descriptions.
+
+Delivery contract (why each piece exists):
+
+- ``XREADGROUP`` hands each new frame to one worker; it stays *pending* until that worker
+  commits. Commit = one Lua script (``queue.COMMIT_LUA``): ``XACK`` and, only if the ack
+  took, store the result -- so a frame is never recorded twice, even when two workers raced.
+- A worker renews its claim on the frames it is working on (``XCLAIM ... JUSTID``, which
+  resets the idle time without counting a delivery). So frames sit idle only when their
+  worker is dead or stopped, and ``XAUTOCLAIM`` after ``claim_idle_s`` hands them to a live
+  worker however slow the VLM is.
+- Each reclaim counts a delivery; past ``max_deliveries`` (a frame that keeps killing its
+  workers) it goes to the dead-letter stream instead.
+- Frames older than ``max_frame_age_s`` are acknowledged as expired, never sent.
+- Endpoint down: the frame being described is retried with backoff and the worker takes at
+  most one frame at a time until the endpoint answers again; the rest wait in the stream
+  and expire by age when they are finally read. Counted, no crash.
+- Redis down: every Redis call is retried with backoff; the worker keeps running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import redis
+import redis.asyncio as aredis
+
+from pipelines import metrics
+from pipelines.backoff import Backoff
+from pipelines.config import PipelineConfig
+from pipelines.logs import kv
+from pipelines.queue import COMMIT_LUA
+from pipelines.vlm import EndpointUnavailable, FrameRejected, VLMClient, build_prompt
+
+log = logging.getLogger(__name__)
+
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, OSError)
+T = TypeVar("T")
+
+
+class Stopping(Exception):
+    """Raised inside a frame's task when the worker stops before the frame is done."""
+
+
+def default_consumer_name() -> str:
+    """Unique per process, so a restarted worker never inherits a dead one's pending list."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class Describer:
+    """One worker process's loop: read, describe with bounded concurrency, commit."""
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        consumer: str | None = None,
+        vlm: VLMClient | None = None,
+    ) -> None:
+        self.config = config
+        self.q = config.queue
+        self.d = config.describer
+        self.consumer = consumer or default_consumer_name()
+        self.redis = aredis.Redis.from_url(
+            config.redis_url,
+            socket_timeout=self.d.block_ms / 1000 + 5.0,
+            socket_connect_timeout=2.0,
+            health_check_interval=15,
+        )
+        self._commit_script = self.redis.register_script(COMMIT_LUA)
+        self.vlm = vlm or VLMClient(self.d)
+        self.inflight: dict[str, asyncio.Task[None]] = {}
+        self.counts: Counter[str] = Counter()
+        self.endpoint_ok = True
+        self._stop = asyncio.Event()  # binds to the loop that first waits on it
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._claim_cursor = "0-0"
+        self._last_gc = 0.0
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def request_stop(self) -> None:
+        """Stop taking frames; safe to call from a signal handler or another thread."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if self._loop is not None and running is not self._loop:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        else:
+            self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    async def run(self) -> None:
+        """Work until ``request_stop()``; then finish in-flight frames within the grace."""
+        self._loop = asyncio.get_running_loop()
+        log.info(kv("describer_started", consumer=self.consumer, model=self.d.model))
+        metrics.VLM_UP.set(1)
+        heartbeat = asyncio.create_task(self._heartbeat())
+        try:
+            await self._redis(self._ensure_group)
+            await self._loop_frames()
+        except Stopping:
+            pass
+        finally:
+            await self._drain()
+            heartbeat.cancel()
+            await asyncio.gather(heartbeat, return_exceptions=True)
+            await self.vlm.close()
+            await self.redis.aclose()
+            log.info(kv("describer_stopped", consumer=self.consumer, **self.counts))
+
+    async def _loop_frames(self) -> None:
+        backoff = Backoff(self.d.backoff_initial_s, self.d.backoff_max_s)
+        last_claim = 0.0
+        while not self.stopping:
+            try:
+                if time.monotonic() - last_claim >= self.d.claim_interval_s:
+                    last_claim = time.monotonic()
+                    await self._reclaim()
+                    await self._observe_queue()
+                free = self._capacity() - len(self.inflight)
+                if free <= 0:
+                    await self._wait_for_slot()
+                    continue
+                reply = await self.redis.xreadgroup(
+                    self.q.group,
+                    self.consumer,
+                    {self.q.frames_stream: ">"},
+                    count=free,
+                    block=self.d.block_ms,
+                )
+                if backoff.attempts:
+                    log.info(kv("redis_connected", component="describer", consumer=self.consumer))
+                backoff.reset()
+                for _stream, entries in reply or []:
+                    for entry_id, fields in entries:
+                        self._spawn(_s(entry_id), fields, deliveries=1)
+            except REDIS_DOWN as exc:
+                await self._redis_down(exc, backoff)
+            except redis.ResponseError as exc:
+                if "NOGROUP" in str(exc):  # Redis lost its data (or someone deleted the stream)
+                    log.warning(
+                        kv("group_missing", stream=self.q.frames_stream, group=self.q.group)
+                    )
+                    await self._redis(self._ensure_group)
+                    continue
+                # e.g. MISCONF / OOM: Redis refuses for now; keep running, try again later
+                log.error(kv("redis_refused", component="describer", error=exc))
+                metrics.REDIS_ERRORS.labels("describer").inc()
+                await self._sleep(backoff.next_delay())
+
+    def _capacity(self) -> int:
+        # while the endpoint fails, one frame at a time probes it; the rest wait in Redis
+        return self.d.concurrency if self.endpoint_ok else 1
+
+    async def _wait_for_slot(self) -> None:
+        waiters = [*self.inflight.values(), asyncio.ensure_future(self._stop.wait())]
+        try:
+            await asyncio.wait(
+                waiters, timeout=self.d.block_ms / 1000, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            waiters[-1].cancel()
+
+    async def _drain(self) -> None:
+        """Give in-flight frames ``shutdown_grace_s`` to finish; the rest stay pending."""
+        self._stop.set()
+        tasks = list(self.inflight.values())
+        if tasks:
+            log.info(kv("describer_draining", consumer=self.consumer, inflight=len(tasks)))
+            _done, still = await asyncio.wait(tasks, timeout=self.d.shutdown_grace_s)
+            for task in still:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if still:  # not acknowledged: another worker reclaims them after claim_idle_s
+                log.warning(kv("left_pending", consumer=self.consumer, frames=len(still)))
+
+    # -- Redis helpers -------------------------------------------------------------------
+    async def _ensure_group(self) -> None:
+        try:
+            await self.redis.xgroup_create(
+                self.q.frames_stream, self.q.group, id="0", mkstream=True
+            )
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def _redis(self, call: Callable[[], Awaitable[T]]) -> T:
+        """Run a Redis call, retrying with backoff while Redis is unreachable."""
+        backoff = Backoff(self.d.backoff_initial_s, self.d.backoff_max_s)
+        while True:
+            try:
+                return await call()
+            except REDIS_DOWN as exc:
+                await self._redis_down(exc, backoff)
+
+    async def _redis_down(self, exc: BaseException, backoff: Backoff) -> None:
+        metrics.REDIS_ERRORS.labels("describer").inc()
+        if backoff.attempts == 0:
+            log.warning(kv("redis_unavailable", component="describer", error=exc))
+        await self._sleep(backoff.next_delay())
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep, but raise ``Stopping`` as soon as the worker is asked to stop."""
+        try:
+            await asyncio.wait_for(self._stop.wait(), timeout=max(0.0, seconds))
+        except TimeoutError:
+            return
+        raise Stopping
+
+    # -- reclaiming and observing --------------------------------------------------------
+    async def _heartbeat(self) -> None:
+        """Renew the claim on in-flight frames so no live worker's frame looks abandoned."""
+        period = max(0.1, min(self.d.claim_idle_s / 3, 5.0))
+        while True:
+            await asyncio.sleep(period)
+            ids = list(self.inflight)
+            if not ids:
+                continue
+            try:
+                await self.redis.xclaim(
+                    self.q.frames_stream, self.q.group, self.consumer, 0, ids, justid=True
+                )
+            except (redis.RedisError, OSError) as exc:
+                log.debug(kv("heartbeat_failed", consumer=self.consumer, error=exc))
+
+    async def _reclaim(self) -> None:
+        """Take over frames idle past ``claim_idle_s`` (their worker died) -- up to free slots."""
+        free = self._capacity() - len(self.inflight)
+        if free <= 0:
+            return
+        reply = await self.redis.xautoclaim(
+            self.q.frames_stream,
+            self.q.group,
+            self.consumer,
+            int(self.d.claim_idle_s * 1000),
+            start_id=self._claim_cursor,
+            count=free,
+        )
+        self._claim_cursor = _s(reply[0])
+        entries = reply[1] or []
+        deleted = reply[2] if len(reply) > 2 else []
+        for entry_id in deleted:  # trimmed from the stream while pending: count the loss
+            self._count(_s(entry_id), "?", "lost", "trimmed_pending")
+            await self.redis.hincrby(self.q.stats_key, "lost:trimmed_pending", 1)
+        for entry_id, fields in entries:
+            entry_id = _s(entry_id)
+            if entry_id in self.inflight or fields is None:
+                continue
+            info = await self.redis.xpending_range(
+                self.q.frames_stream, self.q.group, min=entry_id, max=entry_id, count=1
+            )
+            deliveries = int(info[0]["times_delivered"]) if info else 1
+            metrics.RECLAIMED.inc()
+            self.counts["reclaimed"] += 1
+            log.info(
+                kv(
+                    "frame_reclaimed",
+                    id=entry_id,
+                    camera=_s(fields.get(b"camera", b"?")),
+                    deliveries=deliveries,
+                    consumer=self.consumer,
+                )
+            )
+            self._spawn(entry_id, fields, deliveries)
+        await self._forget_idle_consumers()
+
+    async def _forget_idle_consumers(self) -> None:
+        """Bounded group state: drop consumers that own nothing and were idle for long."""
+        if time.monotonic() - self._last_gc < 60:
+            return
+        self._last_gc = time.monotonic()
+        for c in await self.redis.xinfo_consumers(self.q.frames_stream, self.q.group):
+            name = _s(c["name"])
+            idle_s = int(c["idle"]) / 1000
+            if name != self.consumer and int(c["pending"]) == 0 and idle_s > self.d.consumer_gc_s:
+                await self.redis.xgroup_delconsumer(self.q.frames_stream, self.q.group, name)
+
+    async def _observe_queue(self) -> None:
+        try:
+            groups = await self.redis.xinfo_groups(self.q.frames_stream)
+        except redis.ResponseError:  # stream gone (e.g. Redis lost its data): nothing to show
+            return
+        for g in groups:
+            if _s(g["name"]) != self.q.group:
+                continue
+            metrics.QUEUE_PENDING.set(int(g.get("pending") or 0))
+            if g.get("lag") is not None:
+                metrics.QUEUE_LAG.set(int(g["lag"]))
+            last = _s(g["last-delivered-id"])
+            head = await self.redis.xrange(self.q.frames_stream, min=f"({last}", max="+", count=1)
+            ts = float(head[0][1].get(b"ts", b"0")) if head else 0.0
+            metrics.QUEUE_LAG_SECONDS.set(max(0.0, time.time() - ts) if ts else 0.0)
+
+    # -- one frame -------------------------------------------------------------------------
+    def _spawn(self, entry_id: str, raw: dict[bytes, bytes], deliveries: int) -> None:
+        fields = {_s(k): _s(v) for k, v in raw.items()}
+        task = asyncio.create_task(self._process(entry_id, fields, deliveries))
+        self.inflight[entry_id] = task
+        metrics.DESCRIBE_INFLIGHT.set(len(self.inflight))
+        task.add_done_callback(lambda _t, i=entry_id: self._done(i))
+
+    def _done(self, entry_id: str) -> None:
+        task = self.inflight.pop(entry_id, None)
+        metrics.DESCRIBE_INFLIGHT.set(len(self.inflight))
+        if task is not None and not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            if not isinstance(exc, Stopping):
+                log.error(kv("frame_task_failed", id=entry_id, error=repr(exc)))
+
+    async def _process(self, entry_id: str, fields: dict[str, str], deliveries: int) -> None:
+        camera = fields.get("camera", "?")
+        ts = float(fields.get("ts") or 0.0)
+        if deliveries > self.d.max_deliveries:
+            await self._finish(
+                entry_id, fields, "dead", "max_deliveries", f"{deliveries} deliveries"
+            )
+            return
+        if time.time() - ts > self.q.max_frame_age_s:
+            await self._finish(entry_id, fields, "expired", "max_age")
+            return
+        image_key = fields.get("image", "")
+        jpeg = await self._redis(lambda: self.redis.get(image_key))
+        if jpeg is None:  # its TTL ran out before a worker got to it
+            await self._finish(entry_id, fields, "expired", "image_gone")
+            return
+        prompt = build_prompt(self.config.prompt_for(camera), fields)
+        backoff = Backoff(self.d.backoff_initial_s, self.d.backoff_max_s)
+        while True:
+            try:
+                text, info = await self.vlm.describe(jpeg, prompt)
+                break
+            except EndpointUnavailable as exc:
+                self._endpoint_failed(exc)
+                left = ts + self.q.max_frame_age_s - time.time()
+                if left <= 0:
+                    await self._finish(entry_id, fields, "expired", "max_age", str(exc))
+                    return
+                await self._sleep(min(backoff.next_delay(), left + 0.01))
+            except FrameRejected as exc:
+                self._endpoint_answered()
+                await self._finish(entry_id, fields, "dead", "rejected", str(exc))
+                return
+        self._endpoint_answered()
+        now = time.time()
+        result = {
+            "frame_id": entry_id,
+            "camera": camera,
+            "ts": fields.get("ts", ""),
+            "described_at": f"{now:.6f}",
+            "latency_s": f"{now - ts:.3f}",
+            "text": text,
+            "model": str(info["model"]),
+            "completion_tokens": str(info["completion_tokens"]),
+            "vlm_seconds": f"{info['vlm_seconds']:.3f}",
+            "persons": fields.get("persons", "0"),
+            "boxes": fields.get("boxes", "[]"),
+            "image": image_key,
+            "worker": self.consumer,
+        }
+        if await self._finish(entry_id, result, "described", "ok"):
+            metrics.DESCRIBE_LATENCY.observe(now - ts)
+
+    def _endpoint_failed(self, exc: BaseException) -> None:
+        if self.endpoint_ok:
+            log.warning(kv("vlm_unavailable", base_url=self.d.base_url, error=exc))
+        self.endpoint_ok = False
+        metrics.VLM_UP.set(0)
+
+    def _endpoint_answered(self) -> None:
+        if not self.endpoint_ok:
+            log.info(kv("vlm_available", base_url=self.d.base_url))
+        self.endpoint_ok = True
+        metrics.VLM_UP.set(1)
+
+    async def _finish(
+        self, entry_id: str, fields: dict[str, str], outcome: str, reason: str, detail: str = ""
+    ) -> bool:
+        """Acknowledge and record atomically; False when another worker already had."""
+        camera = fields.get("camera", "?")
+        if outcome == "described":
+            out_stream, stat, maxlen = (
+                self.q.descriptions_stream,
+                "described",
+                self.q.descriptions_maxlen,
+            )
+            out = dict(fields)
+        else:
+            out_stream = (
+                self.q.dead_letter_stream if outcome == "dead" else self.q.descriptions_stream
+            )
+            stat = f"{outcome}:{reason}"
+            maxlen = self.q.dead_letter_maxlen
+            out = {**fields, "frame_id": entry_id, "reason": reason, "detail": detail[:500]}
+        args: list[str] = [self.q.group, entry_id, outcome, stat, str(maxlen)]
+        for key, value in out.items():
+            args += [key, value]
+        keys = [
+            self.q.frames_stream,
+            out_stream,
+            f"{self.q.latest_prefix}{camera}",
+            self.q.stats_key,
+            # described frames keep their JPEG until its TTL (an events page may show it)
+            "" if outcome == "described" else fields.get("image", ""),
+        ]
+        acked = await self._redis(lambda: self._commit_script(keys=keys, args=args))
+        if not acked:
+            self._count(entry_id, camera, "duplicate", reason)
+            return False
+        self._count(entry_id, camera, outcome, reason, detail)
+        return True
+
+    def _count(
+        self, entry_id: str, camera: str, outcome: str, reason: str, detail: str = ""
+    ) -> None:
+        self.counts[outcome] += 1
+        metrics.DESCRIBE_OUTCOMES.labels(camera, outcome, reason).inc()
+        level = logging.INFO if outcome == "described" else logging.WARNING
+        fields: dict[str, Any] = {"id": entry_id, "camera": camera, "outcome": outcome}
+        if reason != "ok":
+            fields["reason"] = reason
+        if detail:
+            fields["detail"] = detail[:200]
+        log.log(level, kv("frame_done", consumer=self.consumer, **fields))

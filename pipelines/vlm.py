@@ -1,0 +1,120 @@
+"""One frame -> one chat completion, through the ``openai`` SDK.
+
+Why the SDK and a data URL: the describers must work against any OpenAI-compatible server
+(ours, vLLM, a hosted API) with no extra image hosting; the JPEG travels inline. Camera
+requests carry ``priority`` (``batch`` by default) in ``extra_body``, so a server that
+schedules by priority serves interactive chat first.
+
+Failures are sorted into two kinds, because they need opposite handling:
+``EndpointUnavailable`` (connection refused, timeout, 408/409/429, 5xx, and 401/403/404,
+which are the endpoint's configuration, not the frame's fault) -- the frame waits and is
+retried; ``FrameRejected`` (other 4xx, an empty answer) -- retrying cannot help, the frame
+goes to the dead letters.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import json
+import time
+from typing import Any
+
+import openai
+
+from pipelines import metrics
+from pipelines.config import DescriberConfig
+
+
+class EndpointUnavailable(Exception):
+    """The endpoint cannot answer now; the frame should wait and be retried."""
+
+
+class FrameRejected(Exception):
+    """The endpoint refused this frame; retrying will not help."""
+
+
+RETRYABLE_STATUS = {401, 403, 404, 408, 409, 429}
+
+
+def build_prompt(base: str, fields: dict[str, str]) -> str:
+    """The instruction plus what the pipeline knows: camera, time, and the detections."""
+    ts = float(fields.get("ts", "0") or 0)
+    when = dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    try:
+        boxes = json.loads(fields.get("boxes", "[]"))
+    except json.JSONDecodeError:
+        boxes = []
+    size = f"{fields.get('width', '?')}x{fields.get('height', '?')}"
+    if boxes:
+        listed = "; ".join(
+            f"{b.get('label', 'object')} {float(b.get('conf', 0)):.2f} at "
+            f"[{', '.join(str(round(v)) for v in b.get('box', []))}]"
+            for b in boxes
+        )
+        detections = f"{len(boxes)} detection(s) (x1, y1, x2, y2 in a {size} image): {listed}"
+    else:
+        detections = "no detections"
+    return f"{base}\nCamera: {fields.get('camera', '?')}. Captured: {when}. Detector: {detections}."
+
+
+class VLMClient:
+    """Async chat-completions client for frame descriptions."""
+
+    def __init__(self, cfg: DescriberConfig) -> None:
+        if not cfg.model:
+            raise ValueError("describer.model is required (the served model's name)")
+        self.cfg = cfg
+        self.client = openai.AsyncOpenAI(
+            base_url=cfg.base_url,
+            api_key=cfg.api_key,
+            timeout=cfg.timeout_s,
+            max_retries=cfg.retries,
+        )
+
+    async def describe(self, jpeg: bytes, prompt: str) -> tuple[str, dict[str, Any]]:
+        """The description text and request facts (model, tokens, seconds)."""
+        url = "data:image/jpeg;base64," + base64.b64encode(jpeg).decode("ascii")
+        extra_body = {} if self.cfg.priority is None else {"priority": self.cfg.priority}
+        started = time.monotonic()
+        try:
+            response = await self.client.chat.completions.create(
+                model=self.cfg.model,
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": url}},
+                            {"type": "text", "text": prompt},
+                        ],
+                    }
+                ],
+                max_tokens=self.cfg.max_tokens,
+                temperature=self.cfg.temperature,
+                extra_body=extra_body,
+            )
+        except (openai.APIConnectionError, openai.APITimeoutError) as exc:
+            metrics.VLM_ERRORS.labels("unreachable").inc()
+            raise EndpointUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        except openai.APIStatusError as exc:
+            status = exc.status_code
+            if status >= 500 or status in RETRYABLE_STATUS:
+                metrics.VLM_ERRORS.labels(f"http_{status}").inc()
+                raise EndpointUnavailable(f"HTTP {status}: {exc.message}") from exc
+            metrics.VLM_ERRORS.labels(f"http_{status}").inc()
+            raise FrameRejected(f"HTTP {status}: {exc.message}") from exc
+        finally:
+            metrics.VLM_SECONDS.observe(time.monotonic() - started)
+        if not response.choices:
+            metrics.VLM_ERRORS.labels("no_choices").inc()
+            raise FrameRejected("answer without choices")
+        usage = response.usage
+        # an empty text is still the model's answer for this frame: stored, not retried
+        return (response.choices[0].message.content or "").strip(), {
+            "model": response.model or self.cfg.model,
+            "completion_tokens": getattr(usage, "completion_tokens", 0) or 0,
+            "vlm_seconds": time.monotonic() - started,
+        }
+
+    async def close(self) -> None:
+        await self.client.close()

@@ -1,0 +1,110 @@
+"""The detector: real ultralytics YOLO26n, batched across cameras, offline."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from pipeline_helpers import people_images
+
+from pipelines.config import DetectorConfig, DetectorOverrides
+from pipelines.detect import Detection, DetectorError, InjectedDetections, resolve_weights
+from pipelines.ingest import Frame
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def frames(*cameras: str) -> list[Frame]:
+    images = people_images()
+    return [Frame(cam, i, time.time(), images[i % 2]) for i, cam in enumerate(cameras)]
+
+
+def test_ultralytics_is_told_to_stay_offline() -> None:
+    import pipelines  # noqa: F401
+
+    assert os.environ["YOLO_OFFLINE"] == "1"
+    assert os.environ["YOLO_AUTOINSTALL"] == "False"
+
+
+def test_missing_weights_fail_with_advice_instead_of_downloading(tmp_path) -> None:
+    with pytest.raises(DetectorError) as err:
+        resolve_weights(str(tmp_path / "yolo26n.pt"))
+    message = str(err.value)
+    assert "detector.weights" in message and ".yaml" in message and "never downloads" in message
+    assert not (tmp_path / "yolo26n.pt").exists()
+
+
+def test_a_model_yaml_builds_an_untrained_model(detector) -> None:
+    assert detector.names[0] == "person"
+    assert detector.calls >= 1  # warmed up at construction
+
+
+def test_one_model_call_per_batch_across_cameras(detector) -> None:
+    before = detector.calls
+    out = detector.detect(frames("a", "b", "c"))
+    assert detector.calls == before + 1
+    assert len(out) == 3 and all(isinstance(dets, list) for dets in out)
+
+
+def test_cameras_with_another_imgsz_run_as_their_own_sub_batch(detector) -> None:
+    before = detector.calls
+    detector.detect(frames("a", "b"), {"b": DetectorOverrides(imgsz=256)})
+    assert detector.calls == before + 2
+
+
+def test_class_and_confidence_filters_apply_per_camera(detector) -> None:
+    fake = Detection(0, "person", 0.5, (0, 0, 10, 10))
+    other = Detection(2, "car", 0.9, (0, 0, 10, 10))
+
+    class Result:  # what ultralytics returns, reduced to what _boxes reads
+        def __init__(self) -> None:
+            import torch
+
+            class Boxes:
+                xyxy = torch.tensor([fake.box, other.box])
+                conf = torch.tensor([fake.conf, other.conf])
+                cls = torch.tensor([0.0, 2.0])
+
+                def __len__(self) -> int:
+                    return 2
+
+            self.boxes = Boxes()
+
+    original = detector._predict
+    detector._predict = lambda images, *a: [Result() for _ in images]
+    try:
+        out = detector.detect(
+            frames("a", "b", "c"),
+            {"b": DetectorOverrides(conf=0.6), "c": DetectorOverrides(classes=[0, 2])},
+        )
+    finally:
+        detector._predict = original
+    assert [d.cls for d in out[0]] == [0]  # default: person only
+    assert out[1] == []  # person below this camera's conf
+    assert sorted(d.cls for d in out[2]) == [0, 2]
+
+
+def test_injected_detections_run_the_real_model_first(detector) -> None:
+    seen: list[int] = []
+
+    def inject(frame: Frame, real: list[Detection]) -> list[Detection]:
+        seen.append(len(real))
+        return [Detection(0, "person", 0.9, (1.0, 2.0, 3.0, 4.0))]
+
+    wrapped = InjectedDetections(detector, inject)
+    before = detector.calls
+    out = wrapped.detect(frames("a", "b"))
+    assert detector.calls == before + 1 and len(seen) == 2
+    assert [len(d) for d in out] == [1, 1]
+
+
+def test_untrained_model_finds_no_people_on_real_photos(detector) -> None:
+    # documents why the end-to-end test injects detections
+    out = detector.detect(frames("a", "b"))
+    assert all(len(d) < 5 for d in out)
+
+
+def test_detector_config_defaults_to_trained_weights_and_person() -> None:
+    cfg = DetectorConfig()
+    assert cfg.weights == "yolo26n.pt" and cfg.classes == [0]
