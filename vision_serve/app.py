@@ -1,0 +1,146 @@
+"""The FastAPI application: routes, auth, body limit. Logic lives in :mod:`vision_serve.serving`.
+
+``create_app`` takes an already-started engine rather than building one, so the same app runs
+under ``vision-serve serve``, in tests (one engine, real uvicorn) and inside other programs.
+Whoever created the engine shuts it down.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from vision_serve.errors import APIError, install_error_handlers
+from vision_serve.media import MediaLoader
+from vision_serve.metrics import ServerMetrics
+from vision_serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from vision_serve.serving import OpenAIServing
+from vision_serve.settings import ServerSettings
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over the limit, checked on Content-Length and again while reading (a
+    chunked upload has no Content-Length). Also stamps the request's arrival time, the start of
+    TTFT, before the body is read and parsed."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        scope.setdefault("state", {})["arrival_time"] = time.monotonic()
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large()(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise StarletteHTTPException(413, self._message())
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _message(self) -> str:
+        return f"request body exceeds the limit of {self.max_bytes} bytes"
+
+    def _too_large(self) -> JSONResponse:
+        return APIError(413, self._message(), code="request_too_large").response()
+
+
+def _auth_dependency(api_key: str | None) -> Any:
+    """Bearer-token check for /v1/*; a no-op when no key is configured."""
+
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), api_key.encode()
+        ):
+            raise APIError(
+                401,
+                "Incorrect or missing API key." if header else "No API key provided.",
+                type="invalid_request_error",
+                code="invalid_api_key",
+                headers={"www-authenticate": "Bearer"},
+            )
+
+    return check
+
+
+def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
+    """Build the OpenAI-compatible app around a started engine."""
+    settings = settings or ServerSettings()
+    served = settings.served_model_name or [engine.model_name]
+    metrics = ServerMetrics(engine)
+    media = MediaLoader(settings)
+    serving = OpenAIServing(engine, served, metrics, media, log_requests=settings.log_requests)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await media.aclose()
+
+    app = FastAPI(title="vision-serve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.engine = engine
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.serving = serving
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_auth_dependency(settings.api_key))])
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await serving.chat(body, request)
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await serving.completion(body, request)
+
+    @v1.get("/models")
+    async def models() -> ModelList:
+        max_len = getattr(engine, "max_model_len", None)
+        return ModelList(data=[ModelCard(id=name, max_model_len=max_len) for name in served])
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 only while the model is loaded and the step loop runs (orchestrators restart
+        the container otherwise)."""
+        if engine.is_alive():
+            return JSONResponse({"status": "ok"})
+        return APIError(503, "engine is not running", code="engine_dead").response()
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,190 @@
+"""Image URL policy and image loading.
+
+The server, not the engine, decides where images may come from: ``data:`` URLs always;
+``http(s)`` only from hosts listed in ``--allowed-media-domains`` (otherwise any client could
+make the server fetch internal addresses); ``file://`` only under
+``--allowed-local-media-path``. Everything else, including bare paths the engine itself would
+open, is refused. Images are decoded here (in a worker thread) so that a broken image becomes
+a 400 naming the exact message part, and the engine receives ready ``PIL`` images.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+import struct
+import urllib.parse
+from pathlib import Path
+
+import httpx
+from PIL import Image, ImageFile, JpegImagePlugin, PngImagePlugin, WebPImagePlugin
+
+from vision_serve.errors import bad_request
+from vision_serve.settings import ServerSettings
+
+ALLOWED_MIME = {"image/jpeg", "image/jpg", "image/png", "image/webp"}
+
+
+class MediaLoader:
+    """Turns an ``image_url`` string into a decoded RGB image, or a 400 naming ``param``."""
+
+    def __init__(self, settings: ServerSettings, client: httpx.AsyncClient | None = None) -> None:
+        self.settings = settings
+        self._client = client
+        local = settings.allowed_local_media_path
+        self._local_root = Path(local).resolve() if local else None
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def load(self, url: str, param: str) -> Image.Image:
+        """Fetch (when allowed) and decode one image URL."""
+        scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+        if scheme == "data":
+            data = self._decode_data_url(url, param)
+        elif scheme in ("http", "https"):
+            data = await self._fetch(url, param)
+        elif scheme == "file":
+            data = self._read_local(url, param)
+        else:
+            raise bad_request(
+                "image_url must be a data: URL, an allowed http(s) URL or an allowed file:// URL",
+                param=param,
+                code="invalid_image_url",
+            )
+        return await asyncio.to_thread(decode_image, data, param)
+
+    # -- sources -------------------------------------------------------------------------------
+
+    def _decode_data_url(self, url: str, param: str) -> bytes:
+        header, sep, payload = url.partition(",")
+        if not sep:
+            raise bad_request("malformed data URL (no ',')", param=param, code="invalid_image_url")
+        meta = header[len("data:") :].split(";")
+        mime = meta[0].strip().lower()
+        if mime not in ALLOWED_MIME:
+            raise bad_request(
+                f"unsupported image type {mime or '(none)'!r}; use JPEG, PNG or WebP",
+                param=param,
+                code="invalid_image",
+            )
+        if "base64" not in [m.strip().lower() for m in meta[1:]]:
+            raise bad_request("data URL must be base64-encoded", param=param, code="invalid_image")
+        if len(payload) * 3 // 4 > self.settings.max_image_bytes:
+            raise bad_request("image too large", param=param, code="image_too_large")
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise bad_request(
+                "data URL is not valid base64", param=param, code="invalid_image"
+            ) from None
+
+    def _host_allowed(self, host: str) -> bool:
+        host = host.lower().strip(".")
+        return any(
+            host == domain or host.endswith("." + domain)
+            for domain in self.settings.allowed_media_domains
+        )
+
+    async def _fetch(self, url: str, param: str) -> bytes:
+        host = urllib.parse.urlsplit(url).hostname or ""
+        if not self._host_allowed(host):
+            raise bad_request(
+                f"fetching images from {host or 'this URL'!r} is not allowed "
+                "(see --allowed-media-domains)",
+                param=param,
+                code="media_domain_not_allowed",
+            )
+        if self._client is None:
+            # Redirects are not followed: a redirect could leave the allowed domains.
+            self._client = httpx.AsyncClient(
+                timeout=self.settings.media_fetch_timeout_s, follow_redirects=False
+            )
+        limit = self.settings.max_image_bytes
+        try:
+            async with self._client.stream("GET", url) as resp:
+                if resp.status_code != 200:
+                    raise bad_request(
+                        f"fetching image failed with HTTP {resp.status_code}",
+                        param=param,
+                        code="image_fetch_failed",
+                    )
+                chunks, size = [], 0
+                async for chunk in resp.aiter_bytes():
+                    size += len(chunk)
+                    if size > limit:
+                        raise bad_request("image too large", param=param, code="image_too_large")
+                    chunks.append(chunk)
+                return b"".join(chunks)
+        except httpx.HTTPError as exc:
+            raise bad_request(
+                f"fetching image failed: {type(exc).__name__}",
+                param=param,
+                code="image_fetch_failed",
+            ) from None
+
+    def _read_local(self, url: str, param: str) -> bytes:
+        if self._local_root is None:
+            raise bad_request(
+                "file:// image URLs are not allowed (see --allowed-local-media-path)",
+                param=param,
+                code="local_media_not_allowed",
+            )
+        parsed = urllib.parse.urlsplit(url)
+        if parsed.netloc not in ("", "localhost"):
+            raise bad_request("file:// URL must not name a host", param=param)
+        path = Path(urllib.parse.unquote(parsed.path)).resolve()
+        if not path.is_relative_to(self._local_root):
+            raise bad_request(
+                "file:// path is outside --allowed-local-media-path",
+                param=param,
+                code="local_media_not_allowed",
+            )
+        try:
+            if path.stat().st_size > self.settings.max_image_bytes:
+                raise bad_request("image too large", param=param, code="image_too_large")
+            return path.read_bytes()
+        except OSError:
+            raise bad_request(
+                "file:// image could not be read", param=param, code="invalid_image"
+            ) from None
+
+
+def _image_class(data: bytes) -> type[ImageFile.ImageFile] | None:
+    """Pick the decoder from the file's magic bytes; None for anything but JPEG/PNG/WebP."""
+    if data.startswith(b"\xff\xd8\xff"):
+        return JpegImagePlugin.JpegImageFile
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return PngImagePlugin.PngImageFile
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return WebPImagePlugin.WebPImageFile
+    return None
+
+
+def decode_image(data: bytes, param: str) -> Image.Image:
+    """Decode JPEG/PNG/WebP bytes fully (a truncated file fails here, not in the engine).
+
+    The format's decoder is called directly instead of ``Image.open``: other libraries patch
+    ``Image.open`` (importing ultralytics makes it try to pip-install a HEIF plugin when an
+    image is unrecognised), and a server must not do that on a client's garbage bytes.
+    """
+    image_class = _image_class(data)
+    if image_class is None:
+        raise bad_request("image is not JPEG, PNG or WebP data", param=param, code="invalid_image")
+    try:
+        image = image_class(io.BytesIO(data))
+        width, height = image.size
+        if width < 1 or height < 1:
+            raise ValueError("image has no pixels")
+        if Image.MAX_IMAGE_PIXELS and width * height > Image.MAX_IMAGE_PIXELS:
+            raise bad_request("image has too many pixels", param=param, code="image_too_large")
+        image.load()
+        return image.convert("RGB")
+    except (OSError, SyntaxError, ValueError, struct.error, EOFError) as exc:
+        raise bad_request(
+            f"image could not be decoded ({type(exc).__name__})", param=param, code="invalid_image"
+        ) from None

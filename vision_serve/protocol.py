@@ -1,0 +1,261 @@
+"""Request and response bodies, field for field as OpenAI's API reference spells them.
+
+Requests accept OpenAI's fields plus the extra-body fields vLLM accepts (``top_k``,
+``min_tokens``, ``ignore_eos``) and our scheduling fields (``priority``, ``max_queue_seconds``).
+Fields that would change the answer and that we do not implement (tools, logprobs, penalties)
+are refused with a 400 instead of being silently ignored; unknown fields are ignored, as
+OpenAI-compatible servers commonly do.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from vision_serve.errors import bad_request
+
+Priority = Literal["interactive", "batch"]
+FinishReason = Literal["stop", "length"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests
+# ---------------------------------------------------------------------------------------------
+
+
+class ImageURL(BaseModel):
+    url: str
+    detail: str | None = None
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"]
+    # Some clients send the URL as a bare string; accept both shapes.
+    image_url: ImageURL | str
+
+
+class OtherPart(BaseModel):
+    """Any other part type (input_audio, file ...): parsed so we can refuse it by name."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+ContentPart = TextPart | ImagePart | OtherPart
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by chat and text completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    # vLLM extra-body sampling fields
+    top_k: int | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    # scheduling (handed to the engine's policy)
+    priority: Priority = "interactive"
+    max_queue_seconds: float | None = Field(default=None, gt=0)
+
+    def check_supported(self) -> None:
+        """Refuse what we would otherwise get silently wrong."""
+        if self.n != 1:
+            raise bad_request("only n=1 is supported", param="n", code="unsupported_value")
+        if self.presence_penalty or self.frequency_penalty:
+            param = "presence_penalty" if self.presence_penalty else "frequency_penalty"
+            raise bad_request(f"{param} is not supported", param=param, code="unsupported_value")
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported", param="logit_bias")
+        if isinstance(self.stop, list) and len(self.stop) > 16:
+            raise bad_request("at most 16 stop sequences", param="stop")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs or self.top_logprobs:
+            raise bad_request("logprobs are not supported", param="logprobs")
+        if self.tools:
+            raise bad_request("tools are not supported", param="tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice is not supported", param="tool_choice")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise bad_request("only response_format type 'text' is supported", "response_format")
+
+    @property
+    def output_limit(self) -> int | None:
+        """``max_completion_tokens`` is OpenAI's newer name; it wins when both are given."""
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise bad_request("echo is not supported", param="echo")
+        if self.logprobs:
+            raise bad_request("logprobs are not supported", param="logprobs")
+        if self.best_of not in (None, 1):
+            raise bad_request("only best_of=1 is supported", param="best_of")
+        if self.suffix:
+            raise bad_request("suffix is not supported", param="suffix")
+
+    def prompt_text(self) -> str:
+        """One text prompt; batches of prompts and token-id prompts are refused."""
+        prompt = self.prompt
+        if isinstance(prompt, list):
+            if len(prompt) == 1 and isinstance(prompt[0], str):
+                return prompt[0]
+            if prompt and all(isinstance(p, int) for p in prompt):
+                raise bad_request("token-id prompts are not supported", param="prompt")
+            raise bad_request("exactly one prompt string per request", param="prompt")
+        return prompt
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_tokens if self.max_tokens is not None else 16  # OpenAI's default
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses
+# ---------------------------------------------------------------------------------------------
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class ResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ResponseMessage
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class ChoiceDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChoiceDelta
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    system_fingerprint: str | None = None
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "vision-serve"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

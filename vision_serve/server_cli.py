@@ -1,0 +1,131 @@
+"""``vision-serve serve``: load the engine, then serve the OpenAI-compatible API with uvicorn.
+
+Engine flags are vLLM's names and come from :func:`engine.config.add_engine_cli_args`; server
+flags mirror :class:`vision_serve.settings.ServerSettings`. Both read ``VISION_SERVE_*``
+environment variables as defaults (for compose); flags given on the command line win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+from vision_serve.settings import ServerSettings
+
+logger = logging.getLogger("vision_serve.server")
+
+# server flag -> (argparse kwargs); default None means "take the environment / built-in default"
+_SERVER_FLAGS: dict[str, dict[str, Any]] = {
+    "host": {"help": "bind address"},
+    "port": {"type": int, "help": "port"},
+    "served_model_name": {
+        "nargs": "+",
+        "help": "model name(s) clients use; the first is reported (default: checkpoint dir name)",
+    },
+    "api_key": {"help": "require 'Authorization: Bearer KEY' on /v1/*"},
+    "allowed_media_domains": {
+        "nargs": "+",
+        "help": "hosts (and their subdomains) http(s) image URLs may come from",
+    },
+    "allowed_local_media_path": {"help": "directory file:// image URLs may point into"},
+    "media_fetch_timeout_s": {"type": float, "help": "timeout for fetching an image URL"},
+    "max_image_bytes": {"type": int, "help": "largest image accepted, in bytes"},
+    "max_request_body_mb": {"type": float, "help": "largest request body (413 above)"},
+    "graceful_shutdown_s": {"type": float, "help": "seconds to drain streams on shutdown"},
+    "log_level": {"help": "debug | info | warning | error"},
+    "log_requests": {
+        "action": argparse.BooleanOptionalAction,
+        "help": "one JSON log line per request (default on)",
+    },
+}
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show defaults, except the ``None`` placeholders that mean "not given"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _server_help(name: str, text: str) -> str:
+    """Help text with the built-in default (not the environment's: it may hold a secret)."""
+    default = ServerSettings.model_fields[name].get_default(call_default_factory=True)
+    if default in (None, []) or "default" in text:
+        return text
+    return f"{text} (default: {default})"
+
+
+def add_serve_cli(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``serve`` with the top-level ``vision-serve`` parser."""
+    from engine.config import add_engine_cli_args
+
+    parser = subparsers.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server in front of the engine",
+        description=__doc__,
+        formatter_class=_HelpFormatter,
+    )
+    group = parser.add_argument_group("server")
+    for name, kwargs in _SERVER_FLAGS.items():
+        kwargs = {**kwargs, "help": _server_help(name, kwargs["help"])}
+        group.add_argument("--" + name.replace("_", "-"), dest=name, default=None, **kwargs)
+    add_engine_cli_args(parser)
+    parser.set_defaults(func=run_serve)
+
+
+def settings_from_namespace(args: argparse.Namespace) -> ServerSettings:
+    """Flags given on the command line override ``VISION_SERVE_*`` variables."""
+    given = {name: getattr(args, name, None) for name in _SERVER_FLAGS}
+    return ServerSettings(**{name: value for name, value in given.items() if value is not None})
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load the model (blocking), serve until SIGINT/SIGTERM, then stop the engine."""
+    import uvicorn
+
+    from engine import AsyncEngine
+    from engine.config import engine_args_from_namespace
+    from vision_serve.app import create_app
+
+    settings = settings_from_namespace(args)
+    configure_logging(settings.log_level)
+    if not args.model:
+        logger.error("--model (or VISION_SERVE_MODEL) is required")
+        return 2
+    engine_args = engine_args_from_namespace(args)
+    logger.info("loading model %s (pid %d) ...", engine_args.model, os.getpid())
+    t0 = time.monotonic()
+    engine = AsyncEngine(engine_args)
+    logger.info(
+        "model %s loaded in %.1fs; max_model_len=%s",
+        engine.model_name,
+        time.monotonic() - t0,
+        engine.max_model_len,
+    )
+    try:
+        app = create_app(engine, settings)
+        uvicorn.run(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level.lower(),
+            log_config=None,  # keep our logging setup; uvicorn's loggers propagate to root
+            timeout_graceful_shutdown=settings.graceful_shutdown_s,
+        )
+    finally:
+        engine.shutdown()
+    return 0

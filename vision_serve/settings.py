@@ -1,0 +1,68 @@
+"""Server settings (everything that is not an engine argument).
+
+Read from ``VISION_SERVE_<FIELD>`` environment variables so that compose files configure the
+server the same way they configure the engine (``engine.config`` uses the same prefix); CLI
+flags override the environment. Engine arguments stay in :class:`engine.config.EngineArgs`:
+one source of truth per knob.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+ENV_PREFIX = "VISION_SERVE_"
+
+
+def _split_csv(value: object) -> object:
+    """Accept ``a,b c`` as well as a list, so ``VISION_SERVE_ALLOWED_MEDIA_DOMAINS=a.com,b.org``
+    works from a compose file without JSON quoting."""
+    if isinstance(value, str):
+        return [part for part in value.replace(",", " ").split() if part]
+    return value
+
+
+class ServerSettings(BaseSettings):
+    """HTTP-side configuration of ``vision-serve serve``."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    # Names clients may put in ``model``; the first is reported back. Empty: the checkpoint's
+    # directory name (what the engine calls ``model_name``).
+    served_model_name: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Bearer token required on /v1/* (None: no auth). /health and /metrics stay open so that
+    # orchestrators and Prometheus need no secret.
+    api_key: str | None = None
+    # http(s) image URLs are refused unless their host is listed here (a subdomain of a listed
+    # domain counts). Fetching arbitrary URLs from the server would be an SSRF hole.
+    allowed_media_domains: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # file:// image URLs are refused unless they resolve under this directory.
+    allowed_local_media_path: Path | None = None
+    media_fetch_timeout_s: float = Field(default=5.0, gt=0)
+    max_image_bytes: int = Field(default=20 * 1024 * 1024, gt=0)
+    # Whole request body; base64 images make bodies big, but not unboundedly so.
+    max_request_body_mb: float = Field(default=50.0, gt=0)
+    # Seconds uvicorn waits for in-flight streams on shutdown before cutting them.
+    graceful_shutdown_s: float = Field(default=5.0, ge=0)
+    log_level: str = "info"
+    # One JSON line per finished request on the ``vision_serve.requests`` logger.
+    log_requests: bool = True
+
+    @field_validator("served_model_name", "allowed_media_domains", mode="before")
+    @classmethod
+    def _split_lists(cls, v: object) -> object:
+        return _split_csv(v)
+
+    @field_validator("allowed_media_domains")
+    @classmethod
+    def _lower_domains(cls, v: list[str]) -> list[str]:
+        return [d.lower().strip(".") for d in v]
+
+    @property
+    def max_request_body_bytes(self) -> int:
+        return int(self.max_request_body_mb * 1024 * 1024)
