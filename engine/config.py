@@ -68,6 +68,28 @@ class EngineArgs:
         return ms / 1e3
 
 
+HELP = {
+    "model": "checkpoint directory (Hugging Face layout: config.json, *.safetensors, processor)",
+    "dtype": "auto | float32 | bfloat16 | float16 (auto: bf16 where the CPU/GPU runs it fast)",
+    "device": "auto | cpu | cuda",
+    "max_num_batched_tokens": "token budget of one step (decodes + prefill chunks)",
+    "max_num_seqs": "most requests running at once",
+    "max_model_len": "context length (default: the model's max_position_embeddings)",
+    "block_size": "tokens per KV-cache block",
+    "num_kv_blocks": "KV-cache blocks (default: from --kv-cache-memory-gb)",
+    "kv_cache_memory_gb": "memory for the KV cache when --num-kv-blocks is not given",
+    "enable_chunked_prefill": "split long prompts across steps (off: whole prompt in one step)",
+    "long_prefill_token_threshold": "cap on one request's prefill chunk per step (0: none)",
+    "enable_prefix_caching": "reuse KV blocks of identical prefixes (text and images)",
+    "target_itl_ms": "SLO-driven budget: step-time target while chat decodes, or 'auto'",
+    "encoder_cache_size": "image embeddings (in tokens) kept for reuse",
+    "seed": "global seed (per-request seeds come from SamplingParams)",
+    "num_threads": "torch CPU threads (default: torch's choice)",
+    "max_queue_len": "waiting requests before new ones are refused (0: unbounded)",
+    "preprocess_workers": "threads decoding and preprocessing images off the step loop",
+}
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -88,15 +110,24 @@ def add_engine_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] =
             if env is not None:
                 default = env.lower() in ("1", "true", "yes", "on")
             group.add_argument(
-                _flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=default
+                _flag(f.name),
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=HELP.get(f.name),
             )
         else:
             if env is not None:
                 default = tp(env)
-            group.add_argument(_flag(f.name), dest=f.name, type=tp, default=default)
+            group.add_argument(
+                _flag(f.name), dest=f.name, type=tp, default=default, help=HELP.get(f.name)
+            )
     if "enable_chunked_prefill" not in skip:
         group.add_argument(
-            "--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false"
+            "--no-chunked-prefill",
+            dest="enable_chunked_prefill",
+            action="store_false",
+            help="alias of --no-enable-chunked-prefill",
         )
 
 
