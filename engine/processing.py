@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from engine.errors import EmptyPromptError, InvalidImageError, InvalidRequestError
 from engine.request import ImageInput, ProcessedPrompt
@@ -59,7 +59,9 @@ def _open_bytes(raw: bytes, what: str) -> Image.Image:
     try:
         image = Image.open(io.BytesIO(raw))
         image.load()
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
+    except Exception as exc:
+        # any decoder failure is the client's bad image, never an engine crash (some libraries
+        # patch Image.open and raise their own errors, e.g. ImportError for a missing plugin)
         raise InvalidImageError(f"cannot decode {what}: {exc}") from None
     if image.width < 1 or image.height < 1:
         raise InvalidImageError(f"{what} has no pixels")
