@@ -1,19 +1,70 @@
 #!/usr/bin/env bash
-# Fresh-machine demo: set up, generate a checkpoint (no hub needed), then ask the engine about a
-# real photo (ultralytics ships bus.jpg) and chat in text, streaming tokens as they come.
-# PRESET=bench for the realistic-size model (slower to generate, ~300M params).
+# Fresh-machine demo of the whole stack, no model hub, no Docker:
+#   1. set up (apt packages, .venv) and generate a checkpoint (random weights: the words are
+#      noise, the serving is real);
+#   2. ask the engine about a real photo from the terminal;
+#   3. run the camera stack for ~DEMO_SECONDS: redis (AOF) + `vision-serve serve` + a looping
+#      camera video (people and empty frames) -> `vision-serve pipeline` (YOLO26, gate, Redis
+#      Streams) -> `vision-serve describe` (OpenAI SDK, priority=batch) -> descriptions in Redis.
+# PRESET=bench for the realistic-size model.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 YOLO_OFFLINE=1 YOLO_AUTOINSTALL=False
 PRESET=${PRESET:-tiny}
+DEMO_SECONDS=${DEMO_SECONDS:-40}
 CKPT=checkpoints/demo-qwen2_vl-$PRESET
+WORK=$(mktemp -d /tmp/vision-serve-demo.XXXX)
 if [ ! -f "$CKPT/config.json" ]; then
   vision-serve make-model --family qwen2_vl --preset "$PRESET" --out "$CKPT"
 fi
-BUS=$(python -c 'import ultralytics, pathlib; print(pathlib.Path(ultralytics.__file__).parent / "assets" / "bus.jpg")')
-echo "== one image, one question (weights are random: the words are noise, the serving is real) =="
-vision-serve chat --model "$CKPT" --image "$BUS" --prompt "Describe the people in this picture." --max-tokens 48
-echo "== a two-turn text chat =="
-printf 'Hello, who is at the door?\nAnd what are they wearing?\n' | vision-serve chat --model "$CKPT" --max-tokens 32
+ASSETS=$(python -c 'import ultralytics, pathlib; print(pathlib.Path(ultralytics.__file__).parent / "assets")')
+
+echo "== 1. the engine from the terminal: one photo, one question =="
+vision-serve chat --model "$CKPT" --image "$ASSETS/bus.jpg" \
+  --prompt "Describe the people in this picture." --max-tokens 32
+
+echo "== 2. the camera stack for ${DEMO_SECONDS}s =="
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+trap cleanup EXIT
+REDIS_PORT=${REDIS_PORT:-6390}
+VLM_PORT=${VLM_PORT:-8011}
+redis-server --port "$REDIS_PORT" --dir "$WORK" --appendonly yes --appendfsync always \
+  --save "" --daemonize no >"$WORK/redis.log" 2>&1 &
+pids+=($!)
+vision-serve serve --model "$CKPT" --port "$VLM_PORT" --served-model-name demo \
+  --max-num-batched-tokens 512 >"$WORK/serve.log" 2>&1 &
+pids+=($!)
+# a camera: a looping video alternating frames with people (bus, zidane) and an empty street
+ffmpeg -loglevel error -y -f lavfi -i color=c=gray:s=640x480:d=1 -frames:v 1 "$WORK/empty.jpg"
+ffmpeg -loglevel error -y \
+  -loop 1 -t 3 -i "$ASSETS/bus.jpg" -loop 1 -t 3 -i "$WORK/empty.jpg" -loop 1 -t 3 -i "$ASSETS/zidane.jpg" \
+  -filter_complex "[0]scale=640:480,setsar=1[a];[1]scale=640:480,setsar=1[b];[2]scale=640:480,setsar=1[c];[a][b][c]concat=n=3:v=1[v]" \
+  -map "[v]" -r 10 -pix_fmt yuv420p "$WORK/camera.mp4"
+cat >"$WORK/cameras.yaml" <<YAML
+redis_url: redis://127.0.0.1:$REDIS_PORT/0
+cameras:
+  - {id: demo-cam, url: $WORK/camera.mp4, fps: 1}
+detector: {weights: yolo26n.yaml, imgsz: 320}   # untrained offline build: it finds nobody,
+gate: {min_persons: 0, cooldown_s: 4}            # so the demo gate sends frames regardless
+describer: {base_url: "http://127.0.0.1:$VLM_PORT/v1", model: demo, max_tokens: 24, concurrency: 2}
+metrics: {pipeline_port: 0, describe_port: 0}
+YAML
+for _ in $(seq 120); do curl -sf "http://127.0.0.1:$VLM_PORT/health" >/dev/null && break; sleep 1; done
+vision-serve pipeline --config "$WORK/cameras.yaml" >"$WORK/pipeline.log" 2>&1 &
+pids+=($!)
+vision-serve describe --config "$WORK/cameras.yaml" >"$WORK/describe.log" 2>&1 &
+pids+=($!)
+sleep "$DEMO_SECONDS"
+echo "== descriptions stored in Redis (stream vs:descriptions) =="
+python - "$REDIS_PORT" <<'PY'
+import sys, redis
+r = redis.Redis(port=int(sys.argv[1]), decode_responses=True)
+entries = r.xrange("vs:descriptions")
+for _id, fields in entries[-5:]:
+    print({k: (v[:80] if isinstance(v, str) else v) for k, v in fields.items()})
+print(f"{len(entries)} descriptions; stats: {r.hgetall('vs:stats')}")
+PY
+echo "logs in $WORK"
