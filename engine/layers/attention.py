@@ -25,6 +25,13 @@ class PrefillChunkMeta:
     q_end: int
     context_slots: torch.Tensor | None  # [context_len] slots to read; None: chunk starts at 0
     mask: torch.Tensor | None  # [q_len, context_len] bool, True = attend; None with the above
+    _grouped: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def grouped_mask(self, group: int) -> torch.Tensor:
+        """The mask tiled for ``group`` query heads per KV head; built once per step."""
+        if group not in self._grouped:
+            self._grouped[group] = self.mask.repeat(group, 1)
+        return self._grouped[group]
 
 
 @dataclass
@@ -108,29 +115,36 @@ def paged_attention(
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
 
+    num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+    group = num_heads // num_kv_heads
+    # GQA by grouping query heads under their shared KV head (head h uses KV head h // group):
+    # no K/V copies, and it avoids SDPA's enable_gqa + mask path, ~6x slower in bf16 on CPU.
     nd = meta.num_decodes
     if nd:
         kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, KVH, L, D]
         vd = v_cache[meta.decode_slots].transpose(1, 2)
-        qd = q[:nd].unsqueeze(2)  # [B, H, 1, D]
-        od = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-        )
-        out[:nd] = od.squeeze(2)
+        qd = q[:nd].view(nd, num_kv_heads, group, head_dim)  # [B, KVH, group, D]
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+        out[:nd] = od.reshape(nd, num_heads, head_dim)
 
     for chunk in meta.prefills:
-        qp = q[chunk.q_start : chunk.q_end].transpose(0, 1)  # [H, n, D]
+        n = chunk.q_end - chunk.q_start
         if chunk.context_slots is None:
+            qp = q[chunk.q_start : chunk.q_end].transpose(0, 1)  # [H, n, D]
             kp = k[chunk.q_start : chunk.q_end].transpose(0, 1)
             vp = v[chunk.q_start : chunk.q_end].transpose(0, 1)
             op = F.scaled_dot_product_attention(
-                qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True
+                qp, kp, vp, is_causal=True, scale=scale, enable_gqa=group > 1
             )
-        else:
-            kp = k_cache[chunk.context_slots].transpose(0, 1)  # [KVH, L, D]
-            vp = v_cache[chunk.context_slots].transpose(0, 1)
-            op = F.scaled_dot_product_attention(
-                qp, kp, vp, attn_mask=chunk.mask, scale=scale, enable_gqa=True
-            )
-        out[chunk.q_start : chunk.q_end] = op.transpose(0, 1)
+            out[chunk.q_start : chunk.q_end] = op.transpose(0, 1)
+            continue
+        # rows (g, i) of the grouped query attend like query i: the mask repeats per group
+        qp = q[chunk.q_start : chunk.q_end].view(n, num_kv_heads, group, head_dim)
+        qp = qp.permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, head_dim)
+        kp = k_cache[chunk.context_slots].transpose(0, 1)  # [KVH, L, D]
+        vp = v_cache[chunk.context_slots].transpose(0, 1)
+        mask = chunk.grouped_mask(group)
+        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale)
+        op = op.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3)
+        out[chunk.q_start : chunk.q_end] = op.reshape(n, num_heads, head_dim)
     return out

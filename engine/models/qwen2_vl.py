@@ -18,6 +18,7 @@ from torch import nn
 from engine.layers.attention import AttentionMetadata, paged_attention
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import MRotaryEmbedding, apply_rotary
+from engine.models.vision_encoder import VisionTower
 
 
 class Attention(nn.Module):
@@ -117,6 +118,11 @@ class Qwen2VLModel(nn.Module):
         self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.visual = build_vision_tower(hf_config, architecture) if with_vision else None
         self.spatial_merge_size = self.vision_config.spatial_merge_size
+        self.architecture = architecture
+        # "engine": our VisionTower forward over self.visual's weights (resumable, fused
+        # attention); "hf": the transformers module's own forward, kept for parity tests
+        self.vision_impl = "engine"
+        self._vision_tower: VisionTower | None = None
 
     # ---- forward pieces -------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -143,6 +149,10 @@ class Qwen2VLModel(nn.Module):
         self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
     ) -> list[torch.Tensor]:
         """Vision tower over several images at once; one embedding tensor per image."""
+        if self.vision_impl == "engine":
+            if self._vision_tower is None:  # lazily: self.visual is attached after __init__
+                self._vision_tower = VisionTower(self.visual, self.vision_config, self.architecture)
+            return self._vision_tower.encode(pixel_values, grid_thw)
         dtype = next(self.visual.parameters()).dtype
         out = self.visual(pixel_values.to(dtype), grid_thw=grid_thw)
         merged = out.pooler_output if hasattr(out, "pooler_output") else out

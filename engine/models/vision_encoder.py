@@ -1,0 +1,397 @@
+"""Our forward for the Qwen2-VL / Qwen2.5-VL vision towers, as a job advanced a bounded amount.
+
+Why not just call the ``transformers`` tower: it encodes a whole image set in one call, so a
+4096-patch camera frame lands inside a single engine step and every interactive stream sharing
+that step stalls. Here the same math is cut into *work items* that the scheduler runs a few
+at a time between decode steps:
+
+    embed[rows]  ->  for each block: qkv[rows]..., attend+mlp[rows]...  ->  merge[rows]...
+
+Each item is exact, so any split gives the one-shot result: the tower's attention is
+bidirectional and every query row of a block reads the block-input k/v (computed by that
+block's qkv items before any of its attention items run), so updating the residual stream of
+some rows never leaks into another row's attention in the same block.
+
+The weights stay in the ``transformers`` module (``model.visual``); only the math is ours:
+the Conv3d patch embedding is one matmul, attention is fused ``scaled_dot_product_attention``
+per image (or per Qwen2.5-VL window, equal-length windows batched into one call).
+
+Cost unit — *patch-block*: 1.0 is the matmul FLOPs of one patch through one vision block
+(qkv + proj + MLP). Attention is charged by its own FLOPs in the same unit (queries x keys),
+the patch embedding and the merger by theirs, so a job's cost is proportional to its FLOPs:
+a whole image costs about ``patches * depth`` plus its attention. The scheduler maps the unit
+to seconds with its step-cost model.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers.activations import ACT2FN
+
+QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One bounded piece of the encode: ``kind`` over rows ``[start, end)`` of block ``block``.
+
+    Rows are patches, except for ``merge`` where they are merged tokens (groups of patches).
+    """
+
+    kind: str  # "embed" | "qkv" | "attn_mlp" | "merge"
+    block: int  # -1 for embed and merge
+    start: int
+    end: int
+    cost: float
+    calls: tuple[AttentionCall, ...] = ()  # attn_mlp: planned once, priced and then run
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One fused attention call: ``batch`` equal segments, queries [q0, q1) over keys [k0, k1).
+
+    Several whole windows of one length are contiguous rows, so they batch as a view, no copy.
+    """
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    batch: int
+
+
+def attention_calls(segments: list[tuple[int, int]], start: int, end: int) -> list[AttentionCall]:
+    """The calls that compute attention for query rows ``[start, end)``, in row order.
+
+    ``segments`` are the sorted, contiguous attention groups (images or windows) covering all
+    rows; a query row attends to every key of its own segment. A segment cut by the row range
+    becomes a call of its own (its queries a subset, its keys all of it); runs of whole
+    segments of equal length become one batched call.
+    """
+    first = bisect_right(segments, start, key=lambda seg: seg[0]) - 1
+    calls: list[AttentionCall] = []
+    for seg_start, seg_end in segments[first:]:
+        if seg_start >= end:
+            break
+        q0, q1 = max(seg_start, start), min(seg_end, end)
+        whole = q0 == seg_start and q1 == seg_end
+        last = calls[-1] if calls else None
+        if (
+            whole
+            and last is not None
+            and last.q0 == last.k0
+            and last.q1 == last.k1 == seg_start
+            and (last.q1 - last.q0) // last.batch == seg_end - seg_start
+        ):
+            calls[-1] = AttentionCall(last.q0, q1, last.k0, q1, last.batch + 1)
+        else:
+            calls.append(AttentionCall(q0, q1, seg_start, seg_end, 1))
+    return calls
+
+
+def frame_segments(grid_thw: list[list[int]]) -> list[tuple[int, int]]:
+    """Full-attention groups: each frame of each image attends within itself (``h * w`` rows)."""
+    segments, offset = [], 0
+    for t, h, w in grid_thw:
+        for _ in range(t):
+            segments.append((offset, offset + h * w))
+            offset += h * w
+    return segments
+
+
+def position_ids(grid_thw: list[list[int]], merge: int) -> Tensor:
+    """(row, col) of every patch, in the tower's order: merge blocks of ``merge x merge`` patches.
+
+    The processor emits patches block-major so that the merger can fold each block into one
+    token with a plain reshape; rope must see the same order.
+    """
+    out = []
+    for t, h, w in grid_thw:
+        rows = torch.arange(h).view(h // merge, merge, 1, 1).expand(-1, -1, w // merge, merge)
+        cols = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, -1, -1)
+        pos = torch.stack([rows.transpose(1, 2).flatten(), cols.transpose(1, 2).flatten()], -1)
+        out.append(pos.repeat(t, 1))
+    return torch.cat(out)
+
+
+def window_order(
+    grid_thw: list[list[int]], merge: int, window: int
+) -> tuple[Tensor, list[tuple[int, int]]]:
+    """Qwen2.5-VL windows: the merged-token permutation that makes windows contiguous, and them.
+
+    A window is ``window x window`` merged tokens of one frame, tiled row-major from the
+    top-left; windows at the right and bottom edges are cut short. Returns the permutation
+    (new position -> old merged index) and the windows as patch-row ranges in the new order.
+    """
+    order, segments, base, offset = [], [], 0, 0
+    unit = merge * merge
+    for t, h, w in grid_thw:
+        gh, gw = h // merge, w // merge
+        nh, nw = -(-gh // window), -(-gw // window)
+        index = torch.arange(t * gh * gw).view(t, gh, gw)
+        index = F.pad(index, (0, nw * window - gw, 0, nh * window - gh), value=-1)
+        index = index.view(t, nh, window, nw, window).permute(0, 1, 3, 2, 4)
+        index = index.reshape(t * nh * nw, window * window)
+        for row in index:
+            kept = row[row >= 0]
+            order.append(kept + base)
+            segments.append((offset, offset + unit * len(kept)))
+            offset += unit * len(kept)
+        base += t * gh * gw
+    return torch.cat(order), segments
+
+
+def rms_or_layer_norm(module: nn.Module, x: Tensor) -> Tensor:
+    """The tower's norm: LayerNorm (Qwen2-VL) or RMSNorm in fp32, cast back, then scaled."""
+    if isinstance(module, nn.LayerNorm):
+        return F.layer_norm(x, module.normalized_shape, module.weight, module.bias, module.eps)
+    eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return module.weight * xf.to(x.dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half rope in fp32 (as the checkpoints were trained); cos/sin are half-width."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class VisionTower:
+    """Our forward over the weights of a ``transformers`` Qwen2-VL / Qwen2.5-VL vision tower.
+
+    A plain object, not an ``nn.Module``: it borrows the tower's modules (so dtype / device
+    moves and weight loads of the model are seen) without registering their parameters twice.
+    """
+
+    def __init__(
+        self,
+        hf_tower: nn.Module,
+        vision_config,
+        architecture: str,
+        max_rows_per_item: int | None = None,
+    ) -> None:
+        self.hf = hf_tower
+        self.windowed = architecture == QWEN2_5_VL
+        self.merge = vision_config.spatial_merge_size
+        self.merge_unit = self.merge**2
+        self.num_heads = vision_config.num_heads
+        attn = hf_tower.blocks[0].attn
+        self.dim = attn.qkv.in_features
+        self.head_dim = self.dim // self.num_heads
+        self.depth = len(hf_tower.blocks)
+        if self.windowed:
+            self.full_blocks = set(vision_config.fullatt_block_indexes)
+            self.window = vision_config.window_size // self.merge // vision_config.patch_size
+        else:
+            self.full_blocks = set(range(self.depth))
+            self.window = 0
+        self.act = ACT2FN[vision_config.hidden_act]
+        self.max_rows_per_item = max_rows_per_item
+        self.patch_block_flops = self._row_matmul_flops()
+
+    def _row_matmul_flops(self) -> float:
+        """FLOPs of one patch through one block's matmuls: the cost unit."""
+        block = self.hf.blocks[0]
+        linears = [block.attn.qkv, block.attn.proj, *_linears(block.mlp)]
+        return float(sum(2 * lin.in_features * lin.out_features for lin in linears))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.hf.blocks[0].attn.qkv.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.hf.blocks[0].attn.qkv.weight.device
+
+    def job(self, pixel_values: Tensor, grid_thw: Tensor) -> VisionEncodeJob:
+        return VisionEncodeJob(self, pixel_values, grid_thw)
+
+    def encode(self, pixel_values: Tensor, grid_thw: Tensor) -> list[Tensor]:
+        """One-shot encode: a job run to completion; one merged embedding tensor per image."""
+        job = self.job(pixel_values, grid_thw)
+        while not job.done():
+            job.advance(float("inf"))
+        return job.result()
+
+
+def _linears(module: nn.Module) -> list[nn.Linear]:
+    return [m for m in module.modules() if isinstance(m, nn.Linear)]
+
+
+class VisionEncodeJob:
+    """Encoding of a set of images that the scheduler advances a bounded amount per step.
+
+    Holds the residual stream of all patches and the current block's q/k/v between calls.
+    Costs are in patch-block units (see the module docstring).
+    """
+
+    @torch.inference_mode()
+    def __init__(self, tower: VisionTower, pixel_values: Tensor, grid_thw: Tensor) -> None:
+        self.tower = tower
+        grids = [[int(v) for v in row] for row in grid_thw.tolist()]
+        device, dtype = tower.device, tower.dtype
+        n = sum(t * h * w for t, h, w in grids)
+        if pixel_values.shape[0] != n:
+            raise ValueError(f"pixel_values has {pixel_values.shape[0]} rows, grid_thw says {n}")
+        self.sizes = [t * h * w // tower.merge_unit for t, h, w in grids]
+        self.num_rows = n
+        cos, sin = self._rope(position_ids(grids, tower.merge).to(device))
+        self.full_segments = frame_segments(grids)
+        self.window_segments = self.full_segments
+        self.restore: Tensor | None = None
+        pixels = pixel_values.to(device)
+        if tower.windowed:
+            order, self.window_segments = window_order(grids, tower.merge, tower.window)
+            order = order.to(device)
+            rows = order[:, None] * tower.merge_unit + torch.arange(tower.merge_unit, device=device)
+            rows = rows.flatten()
+            pixels, cos, sin = pixels[rows], cos[rows], sin[rows]
+            self.restore = torch.argsort(order)
+        self.pixels, self.cos, self.sin = pixels, cos, sin
+        self.x = torch.empty(n, tower.dim, device=device, dtype=dtype)
+        shape = (n, tower.num_heads, tower.head_dim)
+        self.q, self.k, self.v = (torch.empty(shape, device=device, dtype=dtype) for _ in range(3))
+        out_dim = _linears(tower.hf.merger)[-1].out_features
+        self.merged = torch.empty(n // tower.merge_unit, out_dim, device=device, dtype=dtype)
+        self.items = self._plan()
+        self.cursor = 0
+        self._suffix = [0.0] * (len(self.items) + 1)
+        for i in range(len(self.items) - 1, -1, -1):
+            self._suffix[i] = self._suffix[i + 1] + self.items[i].cost
+
+    # ---- planning ----------------------------------------------------------------------------
+    def _rope(self, pos: Tensor) -> tuple[Tensor, Tensor]:
+        """Half-width cos/sin: h frequencies then w frequencies, from the tower's inv_freq."""
+        inv_freq = self.tower.hf.rotary_pos_emb.inv_freq.float()
+        freqs = (pos[..., None].float() * inv_freq).flatten(1)  # [N, 2 * F]: (h..., w...)
+        return freqs.cos(), freqs.sin()
+
+    def _segments(self, block: int) -> list[tuple[int, int]]:
+        return self.full_segments if block in self.tower.full_blocks else self.window_segments
+
+    def _ranges(self, n: int, unit: int = 1) -> list[tuple[int, int]]:
+        step = self.tower.max_rows_per_item
+        step = n if step is None else max(1, step // unit)
+        return [(s, min(s + step, n)) for s in range(0, n, step)]
+
+    def _plan(self) -> list[WorkItem]:
+        tower, n = self.tower, self.num_rows
+        unit = tower.patch_block_flops
+        d = tower.dim
+        embed = 2 * self.pixels.shape[1] * d / unit
+        qkv = 2 * d * 3 * d / unit
+        rest = 1.0 - qkv  # proj + MLP per row
+        items = [WorkItem("embed", -1, s, e, (e - s) * embed) for s, e in self._ranges(n)]
+        for b in range(tower.depth):
+            items += [WorkItem("qkv", b, s, e, (e - s) * qkv) for s, e in self._ranges(n)]
+            for s, e in self._ranges(n):
+                calls = tuple(attention_calls(self._segments(b), s, e))
+                pairs = sum((c.q1 - c.q0) * (c.k1 - c.k0) // c.batch for c in calls)
+                # q.k and p.v: 2 matmuls of 2 * head_dim FLOPs per query-key pair per head
+                cost = (e - s) * rest + 4 * pairs * d / unit
+                items.append(WorkItem("attn_mlp", b, s, e, cost, calls))
+        merger = sum(2 * lin.in_features * lin.out_features for lin in _linears(tower.hf.merger))
+        merge_rows = n // tower.merge_unit
+        items += [
+            WorkItem("merge", -1, s, e, (e - s) * merger / unit)
+            for s, e in self._ranges(merge_rows, tower.merge_unit)
+        ]
+        return items
+
+    # ---- scheduling interface ----------------------------------------------------------------
+    @property
+    def total_cost(self) -> float:
+        return self._suffix[0]
+
+    @property
+    def remaining_cost(self) -> float:
+        return self._suffix[self.cursor]
+
+    def next_cost(self) -> float:
+        """Cost of the next item (0 when done): what ``advance`` must allow to make progress."""
+        return 0.0 if self.done() else self.items[self.cursor].cost
+
+    def done(self) -> bool:
+        return self.cursor == len(self.items)
+
+    @torch.inference_mode()
+    def advance(self, max_cost: float) -> float:
+        """Run items while they fit in ``max_cost``; the first always runs, so progress is sure.
+
+        Returns the cost spent, which exceeds ``max_cost`` only when that first item alone does.
+        """
+        spent = 0.0
+        while not self.done():
+            item = self.items[self.cursor]
+            if spent > 0 and spent + item.cost > max_cost:
+                break
+            self._run(item)
+            self.cursor += 1
+            spent += item.cost
+        if self.done():
+            self._release()
+        return spent
+
+    def result(self) -> list[Tensor]:
+        """Per-image merged embeddings, in the input order of the images."""
+        if not self.done():
+            raise RuntimeError(f"vision job not done: {self.remaining_cost:.1f} cost left")
+        merged = self.merged if self.restore is None else self.merged[self.restore]
+        return list(torch.split(merged, self.sizes))
+
+    def _release(self) -> None:
+        """Drop the per-patch state once merged: a camera frame's q/k/v is tens of MB."""
+        self.x = self.q = self.k = self.v = self.pixels = self.cos = self.sin = None
+
+    # ---- the math ----------------------------------------------------------------------------
+    def _run(self, item: WorkItem) -> None:
+        s, e = item.start, item.end
+        if item.kind == "embed":
+            weight = self.tower.hf.patch_embed.proj.weight
+            self.x[s:e] = F.linear(self.pixels[s:e].to(weight.dtype), weight.flatten(1))
+        elif item.kind == "qkv":
+            self._qkv(self.tower.hf.blocks[item.block], s, e)
+        elif item.kind == "attn_mlp":
+            self._attn_mlp(self.tower.hf.blocks[item.block], item.calls, s, e)
+        else:
+            self._merge(s, e)
+
+    def _qkv(self, block: nn.Module, s: int, e: int) -> None:
+        h = rms_or_layer_norm(block.norm1, self.x[s:e])
+        qkv = block.attn.qkv(h).view(e - s, 3, self.tower.num_heads, self.tower.head_dim)
+        self.q[s:e] = apply_rope(qkv[:, 0], self.cos[s:e], self.sin[s:e])
+        self.k[s:e] = apply_rope(qkv[:, 1], self.cos[s:e], self.sin[s:e])
+        self.v[s:e] = qkv[:, 2]
+
+    def _attn_mlp(self, block: nn.Module, calls: tuple[AttentionCall, ...], s: int, e: int) -> None:
+        attn = torch.cat([self._attend(c) for c in calls])
+        h = self.x[s:e] + block.attn.proj(attn)
+        self.x[s:e] = h + self._mlp(block.mlp, rms_or_layer_norm(block.norm2, h))
+
+    def _attend(self, call: AttentionCall) -> Tensor:
+        """Fused attention for one call; returns ``[q rows, dim]``."""
+        heads, hd, b = self.tower.num_heads, self.tower.head_dim, call.batch
+        q = self.q[call.q0 : call.q1].view(b, -1, heads, hd).transpose(1, 2)
+        k = self.k[call.k0 : call.k1].view(b, -1, heads, hd).transpose(1, 2)
+        v = self.v[call.k0 : call.k1].view(b, -1, heads, hd).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return out.transpose(1, 2).reshape(call.q1 - call.q0, heads * hd)
+
+    def _mlp(self, mlp: nn.Module, x: Tensor) -> Tensor:
+        if hasattr(mlp, "gate_proj"):  # Qwen2.5-VL: SwiGLU
+            return mlp.down_proj(self.tower.act(mlp.gate_proj(x)) * mlp.up_proj(x))
+        return mlp.fc2(self.tower.act(mlp.fc1(x)))
+
+    def _merge(self, s: int, e: int) -> None:
+        merger, unit = self.tower.hf.merger, self.tower.merge_unit
+        h = rms_or_layer_norm(merger.ln_q, self.x[s * unit : e * unit]).view(e - s, -1)
+        first, act, second = merger.mlp
+        self.merged[s:e] = second(F.gelu(first(h), approximate=act.approximate))

@@ -1,0 +1,172 @@
+"""Our vision tower forward: same embeddings as ``transformers``, however the job is split."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.models import load_model
+from engine.models.vision_encoder import AttentionCall, VisionTower, attention_calls
+from tests.engine.helpers import hf_greedy, image_conv, noise_image, truncate_at_eos
+
+ATOL = 1e-5
+# (t, h, w) in patches; h and w even (2x2 merge). 6x10 is not a whole number of tiny
+# Qwen2.5-VL windows (4x4 patches), so edge windows are cut short.
+ONE_IMAGE = [[1, 6, 10]]
+TWO_IMAGES = [[1, 6, 10], [1, 4, 4]]
+
+
+@pytest.fixture(scope="module")
+def loaded(checkpoint_factory):
+    cache: dict = {}
+
+    def get(path):
+        if path not in cache:
+            cache[path] = load_model(path, torch.float32, torch.device("cpu"))
+        return cache[path]
+
+    return get
+
+
+def _inputs(model, grids: list[list[int]], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    grid = torch.tensor(grids)
+    width = model.visual.patch_embed.proj.weight[0].numel()
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(int(grid.prod(-1).sum()), width, generator=gen), grid
+
+
+def _tower(loaded, checkpoint, max_rows: int | None = None) -> tuple[VisionTower, object]:
+    model, hf_config, arch = loaded(checkpoint)
+    return VisionTower(model.visual, hf_config.vision_config, arch, max_rows), model
+
+
+def _hf_tower(model, pixels, grid) -> list[torch.Tensor]:
+    with torch.inference_mode():
+        merged = model.visual(pixels, grid_thw=grid).pooler_output
+    return list(torch.split(merged, (grid.prod(-1) // 4).tolist()))
+
+
+def _assert_all_close(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> None:
+    assert [t.shape for t in ours] == [t.shape for t in ref]
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("grids", [ONE_IMAGE, TWO_IMAGES], ids=["one", "two"])
+@pytest.mark.parametrize("max_rows", [None, 7], ids=["whole", "rows7"])
+def test_encode_equals_transformers_tower(loaded, tiny_checkpoint, grids, max_rows):
+    tower, model = _tower(loaded, tiny_checkpoint, max_rows)
+    pixels, grid = _inputs(model, grids)
+    _assert_all_close(tower.encode(pixels, grid), _hf_tower(model, pixels, grid))
+
+
+@pytest.mark.parametrize("max_rows", [1, 3, 16, 50, 10_000])
+@pytest.mark.parametrize("budget", [0.0, 2.0, 25.0, float("inf")])
+def test_any_split_gives_the_one_shot_result(loaded, tiny_checkpoint, max_rows, budget):
+    tower, model = _tower(loaded, tiny_checkpoint, max_rows)
+    pixels, grid = _inputs(model, TWO_IMAGES, seed=1)
+    job = tower.job(pixels, grid)
+    while not job.done():
+        job.advance(budget)
+    whole = VisionTower(model.visual, model.vision_config, model.architecture)
+    _assert_all_close(job.result(), whole.encode(pixels, grid))
+
+
+@pytest.mark.parametrize("max_rows", [1, 5, None])
+def test_advance_stays_within_budget_and_drains_cost(loaded, tiny_checkpoint, max_rows):
+    tower, model = _tower(loaded, tiny_checkpoint, max_rows)
+    pixels, grid = _inputs(model, TWO_IMAGES)
+    job = tower.job(pixels, grid)
+    budget = job.total_cost / 13
+    remaining, total_spent = job.remaining_cost, 0.0
+    assert remaining == job.total_cost > 0
+    while not job.done():
+        first_item = job.next_cost()
+        spent = job.advance(budget)
+        assert spent > 0
+        # over budget only when the guaranteed first item alone is
+        assert spent <= budget or spent == first_item
+        assert job.remaining_cost == pytest.approx(remaining - spent)
+        remaining, total_spent = job.remaining_cost, total_spent + spent
+    assert job.remaining_cost == 0.0
+    assert total_spent == pytest.approx(job.total_cost)
+
+
+def test_zero_budget_still_makes_progress(loaded, tiny_qwen2_vl):
+    tower, model = _tower(loaded, tiny_qwen2_vl, max_rows=4)
+    job = tower.job(*_inputs(model, ONE_IMAGE))
+    first = job.next_cost()
+    assert job.advance(0.0) == first
+    assert job.remaining_cost == pytest.approx(job.total_cost - first)
+
+
+def test_total_cost_does_not_depend_on_the_split(loaded, tiny_checkpoint):
+    """The scheduler prices a job before choosing how to cut it."""
+    pixels, grid = _inputs(loaded(tiny_checkpoint)[0], TWO_IMAGES)
+    costs = [_tower(loaded, tiny_checkpoint, r)[0].job(pixels, grid).total_cost for r in (1, 7)]
+    whole = _tower(loaded, tiny_checkpoint)[0].job(pixels, grid).total_cost
+    assert costs == pytest.approx([whole, whole])
+
+
+def test_cost_unit_is_one_per_patch_per_block_plus_attention(loaded, tiny_qwen2_vl):
+    """Unit: the matmul FLOPs of one patch through one block; attention and merger on top."""
+    tower, model = _tower(loaded, tiny_qwen2_vl)
+    job = tower.job(*_inputs(model, ONE_IMAGE))
+    patches = 60
+    dense = sum(i.cost for i in job.items if i.kind in ("qkv", "attn_mlp"))
+    attention = tower.depth * 4 * patches * patches * tower.dim / tower.patch_block_flops
+    assert dense == pytest.approx(tower.depth * patches + attention)
+
+
+def test_result_before_done_is_an_error(loaded, tiny_qwen2_vl):
+    tower, model = _tower(loaded, tiny_qwen2_vl, max_rows=8)
+    job = tower.job(*_inputs(model, ONE_IMAGE))
+    job.advance(0.0)
+    with pytest.raises(RuntimeError, match="not done"):
+        job.result()
+
+
+def test_bf16_is_as_close_to_fp32_as_the_transformers_tower(checkpoint_factory, tiny_checkpoint):
+    model, hf_config, arch = load_model(tiny_checkpoint, torch.bfloat16, torch.device("cpu"))
+    ref_model = load_model(tiny_checkpoint, torch.float32, torch.device("cpu"))[0]
+    pixels, grid = _inputs(model, TWO_IMAGES)
+    ref = torch.cat(_hf_tower(ref_model, pixels, grid))
+    ours = torch.cat(
+        VisionTower(model.visual, hf_config.vision_config, arch, 7).encode(pixels, grid)
+    )
+    theirs = torch.cat(_hf_tower(model, pixels.bfloat16(), grid))
+    assert ours.dtype == torch.bfloat16
+    ours_err = (ours.float() - ref).abs().max().item()
+    theirs_err = (theirs.float() - ref).abs().max().item()
+    assert ours_err <= 2 * theirs_err + 1e-2
+
+
+def test_attention_calls_batch_whole_equal_windows_and_cut_the_edges():
+    windows = [(0, 4), (4, 8), (8, 12), (12, 14), (14, 18)]
+    assert attention_calls(windows, 0, 18) == [
+        AttentionCall(0, 12, 0, 12, 3),
+        AttentionCall(12, 14, 12, 14, 1),
+        AttentionCall(14, 18, 14, 18, 1),
+    ]
+    # a row range cutting windows: the cut windows keep all their keys
+    assert attention_calls(windows, 2, 13) == [
+        AttentionCall(2, 4, 0, 4, 1),
+        AttentionCall(4, 12, 4, 12, 2),
+        AttentionCall(12, 13, 12, 14, 1),
+    ]
+
+
+def test_engine_greedy_tokens_unchanged_by_our_tower(tiny_checkpoint):
+    conv = image_conv(
+        "Compare the two frames.", noise_image(112, 84, seed=4), noise_image(140, 112, seed=5)
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    tokens = {}
+    for impl in ("engine", "hf"):
+        llm = LLM(str(tiny_checkpoint), dtype="float32", max_num_batched_tokens=64)
+        llm.engine.model.vision_impl = impl
+        tokens[impl] = llm.chat(conv, params)[0].outputs[0].token_ids
+        eos = llm.engine.eos_token_ids
+    assert tokens["engine"] == tokens["hf"]
+    assert tokens["engine"] == truncate_at_eos(hf_greedy(tiny_checkpoint, conv, 16), eos)
