@@ -3,8 +3,8 @@
 Also measures, in the same run, the machine's bf16 matmul peak and memory bandwidth, and from
 them single-stream decode bandwidth utilisation and frame-prompt prefill MFU, both ways.
 
-    python benchmarks/offline_throughput.py                 # bench checkpoint, CPU defaults
-    python benchmarks/offline_throughput.py --num-requests 4 --max-tokens 8 --model DIR  # smoke
+    python -m benchmarks.offline_throughput                 # bench checkpoint, CPU defaults
+    python -m benchmarks.offline_throughput --num-requests 4 --max-tokens 8 --model DIR  # smoke
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -29,16 +30,29 @@ def conv(i: int, image) -> list[dict]:
     ]
 
 
-def text_params(model) -> tuple[int, int]:
-    """(matmul parameters of the decoder per token incl. lm_head, bytes read per decode step)."""
-    n = 0
-    for name, p in model.named_parameters():
-        if name.startswith("visual.") or name.startswith("embed_tokens"):
-            continue
-        n += p.numel()
-    if model.tie_word_embeddings:
-        n += model.lm_head.weight.numel()
-    return n, n * model.lm_head.weight.element_size()
+def text_params(model_dir, bytes_per_param: int) -> tuple[int, int]:
+    """(decoder matmul parameters per token incl. lm_head, weight bytes read per decode step),
+    counted from the checkpoint (the engine's packed layers hide their parameters)."""
+    from safetensors import safe_open
+
+    n, embed, head = 0, 0, 0
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                numel = f.get_slice(name).get_shape()
+                count = 1
+                for d in numel:
+                    count *= d
+                if "visual" in name:
+                    continue
+                if "embed_tokens" in name:
+                    embed = count
+                elif name.endswith("lm_head.weight"):
+                    head = count
+                else:
+                    n += count
+    n += head or embed  # a tied head reads the embedding matrix
+    return n, n * bytes_per_param
 
 
 def attention_flops(cfg, tokens: int) -> float:
@@ -84,7 +98,8 @@ def ours(args, model_dir, frames):
     decode_step = statistics.median(times)
 
     # frame prefill: one ~1,000-token image prompt, whole prompt in one step
-    eng.add_request("prefill", conv(99, frames[-1]), SamplingParams(temperature=0, max_tokens=1))
+    fresh = camera_frame(frames[0].width, frames[0].height, seed=12345)  # not in any cache
+    eng.add_request("prefill", conv(99, fresh), SamplingParams(temperature=0, max_tokens=1))
     t = time.perf_counter()
     eng.step()
     prefill_total = time.perf_counter() - t
@@ -196,8 +211,9 @@ def main() -> None:
     log(f"transformers generate(): {args.hf_requests} requests one at a time")
     b = hf(args, model_dir, frames, dtype)
 
-    model, cfg = o.pop("model"), o.pop("cfg")
-    n_params, bytes_per_token = text_params(model)
+    o.pop("model")
+    cfg = o.pop("cfg")
+    n_params, bytes_per_token = text_params(model_dir, 2 if args.dtype == "bfloat16" else 4)
     bound_step = bytes_per_token / bandwidth
 
     def prefill_mfu(r):

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from engine.errors import UnsupportedModelError
+from engine.layers.linear import cpu_packing_available, pack_linears
 
 log = logging.getLogger("engine.models")
 
@@ -45,7 +46,9 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device):
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device, pack_cpu_weights: bool = True
+):
     """Build the model for ``model_dir``'s architecture and load its weights by tensor name."""
     from transformers import AutoConfig
 
@@ -66,6 +69,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device):
     model.visual = visual
     model.load_weights(iter_safetensors(model_dir))
     model.eval()
+    if device.type == "cpu" and pack_cpu_weights and cpu_packing_available(dtype):
+        if model.tie_word_embeddings:  # the packed head must not alias the embedding table
+            model.lm_head.weight = torch.nn.Parameter(model.embed_tokens.weight.detach().clone())
+        packed = pack_linears(model, skip_prefixes=("visual",))
+        log.info("packed %d decoder linears into oneDNN layout", packed)
     log.info(
         "model_loaded arch=%s dtype=%s device=%s params=%.1fM secs=%.2f",
         arch,
