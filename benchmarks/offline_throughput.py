@@ -199,7 +199,8 @@ def main() -> None:
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     w, h = (int(x) for x in args.image_size.split("x"))
     model_dir = bench_checkpoint(args.family, args.model)
-    frames = [camera_frame(w, h, seed=s) for s in range(4)]
+    # one distinct frame per request: repeated frames would hit the prefix cache and flatter us
+    frames = [camera_frame(w, h, seed=s) for s in range(args.num_requests)]
 
     log("measuring machine limits")
     peak = matmul_peak_flops(dtype)

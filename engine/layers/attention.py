@@ -138,6 +138,11 @@ def paged_attention(
             )
             out[chunk.q_start : chunk.q_end] = op.transpose(0, 1)
             continue
+        if _FLASH_CPU is not None and q.device.type == "cpu":
+            out[chunk.q_start : chunk.q_end] = _prefix_plus_causal(
+                q, k, v, k_cache, v_cache, chunk, group, scale
+            )
+            continue
         # rows (g, i) of the grouped query attend like query i: the mask repeats per group
         qp = q[chunk.q_start : chunk.q_end].view(n, num_kv_heads, group, head_dim)
         qp = qp.permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, head_dim)
@@ -148,3 +153,42 @@ def paged_attention(
         op = op.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3)
         out[chunk.q_start : chunk.q_end] = op.reshape(n, num_heads, head_dim)
     return out
+
+
+# The CPU flash kernel also returns each row's log-sum-exp, which lets a chunk's attention be
+# computed as two exact pieces — all cached keys (no mask) and its own keys (causal, so the
+# kernel skips the masked half) — merged by their log-sum-exps. A single call with an explicit
+# mask would compute every masked score too: up to 2x the work when a chunk is long.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _prefix_plus_causal(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    chunk: PrefillChunkMeta,
+    group: int,
+    scale: float,
+) -> torch.Tensor:
+    rows = slice(chunk.q_start, chunk.q_end)
+    start = chunk.context_slots.shape[0] - (chunk.q_end - chunk.q_start)
+    prefix = chunk.context_slots[:start]
+
+    def heads_first(t: torch.Tensor) -> torch.Tensor:  # [L, KVH, D] -> [1, H, L, D]
+        if group > 1:
+            t = t.repeat_interleave(group, dim=1)
+        return t.transpose(0, 1).unsqueeze(0)
+
+    qh = q[rows].transpose(0, 1).unsqueeze(0)
+    o_old, lse_old = _FLASH_CPU(
+        qh, heads_first(k_cache[prefix]), heads_first(v_cache[prefix]), 0.0, False, scale=scale
+    )
+    o_new, lse_new = _FLASH_CPU(
+        qh, heads_first(k[rows]), heads_first(v[rows]), 0.0, True, scale=scale
+    )
+    lse = torch.logaddexp(lse_old, lse_new)
+    merged = o_old.float() * torch.exp(lse_old - lse).unsqueeze(-1)
+    merged += o_new.float() * torch.exp(lse_new - lse).unsqueeze(-1)
+    return merged.to(q.dtype)[0].transpose(0, 1)

@@ -54,9 +54,13 @@ def test_chunks_respect_the_budget_and_decodes_come_first(tiny_qwen2_vl):
     assert seen_prefill_with_decode
 
 
+@pytest.mark.parametrize("kernel", ["lse-merge", "masked"])
 @pytest.mark.parametrize("num_kv_heads,num_heads", [(2, 4), (4, 4)])
-def test_paged_attention_chunks_equal_one_causal_pass(num_kv_heads, num_heads):
-    """1,000 tokens in chunks 256+256+256+232, each attending to cached K/V plus itself."""
+def test_paged_attention_chunks_equal_one_causal_pass(num_kv_heads, num_heads, kernel, monkeypatch):
+    """1,000 tokens in chunks 256+256+256+232, each attending to cached K/V plus itself —
+    through the CPU log-sum-exp merge and through the portable masked path."""
+    if kernel == "masked":
+        monkeypatch.setattr("engine.layers.attention._FLASH_CPU", None)
     torch.manual_seed(0)
     n, d, block = 1000, 32, 16
     q = torch.randn(n, num_heads, d)
