@@ -36,6 +36,8 @@ class EngineArgs:
     # SLO-driven budget: target step time (ms) while interactive streams decode, or "auto"
     target_itl_ms: str | None = None
     encoder_cache_size: int = 16384  # image embeddings (tokens) kept for reuse
+    enable_chunked_encoder: bool = True  # image encoding advanced under the step budget
+    encoder_rows_per_item: int = 256  # granularity of encoder work (patch rows per item)
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU (None: torch default)
     max_queue_len: int = 0  # 0: unbounded waiting queue
@@ -83,6 +85,8 @@ HELP = {
     "enable_prefix_caching": "reuse KV blocks of identical prefixes (text and images)",
     "target_itl_ms": "SLO-driven budget: step-time target while chat decodes, or 'auto'",
     "encoder_cache_size": "image embeddings (in tokens) kept for reuse",
+    "enable_chunked_encoder": "advance image encoding under the step budget (off: whole image)",
+    "encoder_rows_per_item": "patch rows per unit of encoder work (smaller: finer steps)",
     "seed": "global seed (per-request seeds come from SamplingParams)",
     "num_threads": "torch CPU threads (default: torch's choice)",
     "max_queue_len": "waiting requests before new ones are refused (0: unbounded)",

@@ -1,9 +1,10 @@
 """An online model of step time, learnt from the steps the engine actually ran.
 
-    step_s ≈ fixed + a·prefill_tokens + b·decode_tokens + c·attention_units + d·encoder_patches
+    step_s ≈ fixed + a·prefill_tokens + b·decode_tokens + c·attention_units + d·encoder_units
 
 ``attention_units`` is the query×key work of the step (each new token times the context it
-attends to, in thousands) and ``encoder_patches`` the vision-tower work run in the step. The
+attends to, in thousands) and ``encoder_units`` the vision-tower work run in the step (in
+thousands of the tower's patch-block units, see ``engine/models/vision_encoder.py``). The
 coefficients are refit by least squares over a sliding window of recent steps, so they track
 the machine, the model and the dtype without hand tuning; the scheduler asks the model how
 many prefill tokens fit under an inter-token-latency target.
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-FEATURES = ("fixed", "prefill_tokens", "decode_tokens", "attention_kunits", "encoder_patches")
+FEATURES = ("fixed", "prefill_tokens", "decode_tokens", "attention_kunits", "encoder_kunits")
 
 
 @dataclass
@@ -24,7 +25,7 @@ class StepFeatures:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     attention_units: float = 0.0  # sum over new tokens of the context length they attend to
-    encoder_patches: int = 0
+    encoder_units: float = 0.0  # vision-tower work (patch-block units)
 
     def vector(self) -> np.ndarray:
         return np.array(
@@ -33,7 +34,7 @@ class StepFeatures:
                 self.prefill_tokens,
                 self.decode_tokens,
                 self.attention_units / 1e3,
-                self.encoder_patches,
+                self.encoder_units / 1e3,
             ]
         )
 
@@ -42,7 +43,7 @@ class StepFeatures:
             self.prefill_tokens + other.prefill_tokens,
             self.decode_tokens + other.decode_tokens,
             self.attention_units + other.attention_units,
-            self.encoder_patches + other.encoder_patches,
+            self.encoder_units + other.encoder_units,
         )
 
 
@@ -99,6 +100,13 @@ class StepCostModel:
             active &= ~negative
         self.coef = coef
         self.since_fit = 0
+
+    def seconds_per(self, feature: str) -> float:
+        """The learnt marginal cost of one unit of a feature (0 until fitted)."""
+        if self.coef is None:
+            return 0.0
+        scale = 1e-3 if feature in ("attention_units", "encoder_units") else 1.0
+        return float(self.coef[FEATURES.index(feature.replace("_units", "_kunits"))]) * scale
 
     def predict(self, features: StepFeatures) -> float:
         if self.coef is None:

@@ -1,7 +1,9 @@
 """Encoder-cache accounting: which image embeddings are held, by content hash.
 
-The scheduler asks this manager whether an image needs encoding this step; the model runner
-holds the tensors and is told (through the scheduler output) what to compute and what to drop.
+The scheduler asks this manager whether an image needs encoding; the model runner holds the
+tensors (and the half-done encoding jobs) and is told through the scheduler output what to
+compute and what to drop. An entry is *encoding* until the runner reports its job done; the
+scheduler hands an encoding job a bounded amount of work per step (stall-free encoding).
 Entries referenced by live requests are pinned; unreferenced entries stay for reuse (the same
 frame asked again) until space is needed, oldest first.
 """
@@ -20,9 +22,28 @@ class EncoderCacheManager:
         self.used = 0
         self.hits = 0
         self.misses = 0
+        # hash -> work left (patch-block units) while encoding; None: started, size unknown yet
+        self.remaining: dict[str, float | None] = {}
 
     def contains(self, content_hash: str) -> bool:
         return content_hash in self.sizes
+
+    def ready(self, content_hash: str) -> bool:
+        """Embeddings exist (not merely an encoding in progress)."""
+        return content_hash in self.sizes and content_hash not in self.remaining
+
+    def encoding_left(self, content_hash: str) -> float | None:
+        return self.remaining.get(content_hash)
+
+    def update_progress(self, progress: dict[str, float]) -> None:
+        """The runner's report: work left per job; 0 means the embeddings are ready."""
+        for h, left in progress.items():
+            if h not in self.sizes:
+                continue  # evicted meanwhile
+            if left <= 0:
+                self.remaining.pop(h, None)
+            else:
+                self.remaining[h] = left
 
     def acquire(
         self, content_hash: str, request_id: str, num_tokens: int
@@ -45,9 +66,11 @@ class EncoderCacheManager:
             old, _ = self.unreferenced.popitem(last=False)
             self.used -= self.sizes.pop(old)
             self.refs.pop(old, None)
+            self.remaining.pop(old, None)
             evicted.append(old)
         self.sizes[content_hash] = num_tokens
         self.refs[content_hash] = {request_id}
+        self.remaining[content_hash] = None
         self.used += num_tokens
         return True, evicted
 

@@ -69,12 +69,20 @@ class LLMEngine:
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
                 target_itl_s=args.target_itl_s(),
+                enable_chunked_encoder=args.enable_chunked_encoder,
+                encoder_unit_tokens=self.model.encoder_unit_tokens(),
             ),
             self.kv,
             self.encoder_cache,
         )
         self.runner = ModelRunner(
-            self.model, num_blocks, args.block_size, self.dtype, self.device, self.eos_token_ids
+            self.model,
+            num_blocks,
+            args.block_size,
+            self.dtype,
+            self.device,
+            self.eos_token_ids,
+            encoder_rows_per_item=args.encoder_rows_per_item or None,
         )
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.last_step_idle = False  # the last step had nothing to run
@@ -187,7 +195,9 @@ class LLMEngine:
         self.last_step_idle = sched.is_empty and not sched.expired
         result = self.runner.execute(sched) if not sched.is_empty else None
         progressed, finished = self.scheduler.update_from_output(
-            sched, result.sampled if result else {}
+            sched,
+            result.sampled if result else {},
+            result.encoder_progress if result else None,
         )
         outputs: list[RequestOutput] = []
         done_ids = {r.request_id for r in finished}
@@ -252,6 +262,8 @@ class LLMEngine:
         s = self.stats
         if sched.is_empty:
             return
+        if result is not None:
+            sched.features.encoder_units = result.encoder_units  # what actually ran
         self.scheduler.cost_model.observe(sched.features, elapsed)
         s.num_steps += 1
         s.last_step_time_s = elapsed

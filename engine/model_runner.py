@@ -24,7 +24,8 @@ class StepResult:
     sampled: dict[str, int]
     encode_s: float
     forward_s: float
-    num_images_encoded: int
+    encoder_units: float  # vision work done this step (patch-block units)
+    encoder_progress: dict[str, float]  # content hash -> work left (0: embeddings ready)
 
 
 class ModelRunner:
@@ -36,8 +37,11 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         eos_token_ids: set[int],
+        encoder_rows_per_item: int | None = 256,
     ) -> None:
         self.model = model
+        self.encoder_rows_per_item = encoder_rows_per_item
+        self.encode_jobs: dict[str, object] = {}  # content hash -> VisionEncodeJob in progress
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
@@ -62,22 +66,40 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> StepResult:
         for h in sched.evicted_encoder_hashes:
             self.encoder_outputs.pop(h, None)
+            self.encode_jobs.pop(h, None)
         t0 = time.perf_counter()
-        if sched.encoder_jobs:
-            self._encode(sched)
+        units, progress = self._encode(sched)
         t1 = time.perf_counter()
         sampled: dict[str, int] = {}
         if sched.chunks:
             sampled = self._forward_and_sample(sched)
         t2 = time.perf_counter()
-        return StepResult(sampled, t1 - t0, t2 - t1, len(sched.encoder_jobs))
+        return StepResult(sampled, t1 - t0, t2 - t1, units, progress)
 
-    def _encode(self, sched: SchedulerOutput) -> None:
-        jobs = sched.encoder_jobs
-        pixels = torch.cat([j.pixel_values for j in jobs]).to(self.device)
-        grids = torch.tensor([j.grid_thw for j in jobs], dtype=torch.long, device=self.device)
-        for job, emb in zip(jobs, self.model.encode_images(pixels, grids), strict=True):
-            self.encoder_outputs[job.content_hash] = emb.to(self.dtype)
+    def _encode(self, sched: SchedulerOutput) -> tuple[float, dict[str, float]]:
+        """Start new encoding jobs and advance each by the work the scheduler granted."""
+        for job in sched.encoder_jobs:
+            grid = torch.tensor([job.grid_thw], dtype=torch.long)
+            if self.model.vision_impl == "hf":  # the transformers tower: whole image, now
+                emb = self.model.encode_images(job.pixel_values.to(self.device), grid)[0]
+                self.encoder_outputs[job.content_hash] = emb.to(self.dtype)
+                continue
+            tower = self.model.vision_tower(self.encoder_rows_per_item)
+            self.encode_jobs[job.content_hash] = tower.job(job.pixel_values, grid)
+        spent, progress = 0.0, {}
+        for h, units in sched.encoder_work.items():
+            job = self.encode_jobs.get(h)
+            if job is None:
+                progress[h] = 0.0 if h in self.encoder_outputs else progress.get(h, 0.0)
+                continue
+            spent += job.advance(units)
+            if job.done():
+                self.encoder_outputs[h] = job.result()[0].to(self.dtype)
+                del self.encode_jobs[h]
+                progress[h] = 0.0
+            else:
+                progress[h] = job.remaining_cost
+        return spent, progress
 
     def _forward_and_sample(self, sched: SchedulerOutput) -> dict[str, int]:
         chunks = sched.chunks

@@ -16,6 +16,7 @@ model runner only executes the plain :class:`SchedulerOutput` it is given.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,7 +59,9 @@ class EncoderJob:
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)  # decodes first
-    encoder_jobs: list[EncoderJob] = field(default_factory=list)
+    encoder_jobs: list[EncoderJob] = field(default_factory=list)  # jobs to start this step
+    # work per encoding job this step, in patch-block units (inf: run it to completion)
+    encoder_work: dict[str, float] = field(default_factory=dict)
     evicted_encoder_hashes: list[str] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     expired: list[Request] = field(default_factory=list)
@@ -76,7 +79,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks and not self.encoder_jobs
+        return not self.chunks and not self.encoder_jobs and not self.encoder_work
 
 
 @dataclass
@@ -91,6 +94,10 @@ class SchedulerConfig:
     target_itl_s: float | str | None = None
     auto_target_factor: float = 1.25
     max_deferred_steps: int = 200  # starvation guard for prefills held back by the target
+    # stall-free encoding: image encoding is advanced under the step budget, not run whole
+    enable_chunked_encoder: bool = True
+    # FLOP-based token equivalent of one encoder unit, until the cost model calibrates it
+    encoder_unit_tokens: float = 0.01
 
 
 def _rank(req: Request) -> tuple[int, float]:
@@ -200,11 +207,15 @@ class Scheduler:
                 cached_blocks = self._cached_prefix(req)
             computed = max(req.num_computed_tokens, len(cached_blocks) * self.kv.block_size)
             n = self._chunk_size(req, computed, budget, prefill_scheduled)
+            if n and req.prompt.images:
+                n, encoder_tokens = self._gate_on_images(
+                    req, computed, n, budget, features, target, out
+                )
+                budget -= encoder_tokens
+                n = min(n, max(0, budget))  # encoder work and tokens share the step budget
             if n and target is not None:
                 n = self._fit_under_target(req, computed, n, features, target)
             if n == 0:
-                if self.config.enable_chunked_prefill and target is None:
-                    break
                 continue
             if is_waiting:
                 if not self.kv.allocate_with_prefix(
@@ -242,16 +253,86 @@ class Scheduler:
         return float(target)
 
     def _chunk_features(self, req: Request, start: int, n: int) -> StepFeatures:
-        patches = 0
+        return StepFeatures(prefill_tokens=n, attention_units=chunk_attention_units(start, n))
+
+    # ---- stall-free encoding --------------------------------------------------------------
+    def _gate_on_images(
+        self,
+        req: Request,
+        start: int,
+        n: int,
+        budget: int,
+        features: StepFeatures,
+        target: float | None,
+        out: SchedulerOutput,
+    ) -> tuple[int, int]:
+        """Advance the encoding of images this chunk reaches; cut the chunk before the first
+        image whose embeddings will not be ready by the end of this step.
+
+        Returns (tokens the chunk may cover, step budget spent on encoder work, in tokens).
+        """
+        spent = 0
         for im in req.prompt.images:
-            overlaps = im.offset < start + n and im.offset + im.num_tokens > start
-            if overlaps and not self.encoder_cache.contains(im.content_hash):
-                patches += im.pixel_values.shape[0]
-        return StepFeatures(
-            prefill_tokens=n,
-            attention_units=chunk_attention_units(start, n),
-            encoder_patches=patches,
+            if im.offset >= start + n:
+                break
+            if im.offset + im.num_tokens <= start or self.encoder_cache.ready(im.content_hash):
+                continue
+            h = im.content_hash
+            if h not in out.encoder_work:
+                self._pin_image(req, im, out)
+                text_before = max(0, im.offset - start)  # the chunk's tokens ahead of it
+                units = self._encoder_allowance(budget - spent - text_before, features, target, req)
+                if units > 0:
+                    out.encoder_work[h] = units
+                    left = self.encoder_cache.encoding_left(h)
+                    planned = units if left is None else min(units, left)
+                    if math.isfinite(planned):
+                        features.encoder_units += planned
+                        spent += math.ceil(planned * self._tokens_per_encoder_unit())
+            left = self.encoder_cache.encoding_left(h)
+            units = out.encoder_work.get(h, 0.0)
+            completes = math.isinf(units) or (left is not None and units >= left * (1 - 1e-9))
+            if not completes:
+                return max(0, im.offset - start), spent
+        return n, spent
+
+    def _pin_image(self, req: Request, im, out: SchedulerOutput) -> None:
+        if self.encoder_cache.pinned_by(im.content_hash, req.request_id):
+            return
+        must_encode, evicted = self.encoder_cache.acquire(
+            im.content_hash, req.request_id, im.num_tokens
         )
+        out.evicted_encoder_hashes.extend(evicted)
+        if must_encode:
+            out.encoder_jobs.append(EncoderJob(im.content_hash, im.pixel_values, im.grid_thw))
+
+    def _tokens_per_encoder_unit(self) -> float:
+        """Budget tokens one encoder unit costs: by measured time once the cost model knows
+        both rates (vision attention is slower per FLOP than decoder matmuls), by FLOPs before."""
+        per_unit = self.cost_model.seconds_per("encoder_units")
+        per_token = self.cost_model.seconds_per("prefill_tokens")
+        if per_unit > 0 and per_token > 0:
+            return per_unit / per_token
+        return self.config.encoder_unit_tokens
+
+    def _encoder_allowance(
+        self, budget: int, features: StepFeatures, target: float | None, req: Request
+    ) -> float:
+        """Encoder work (units) this step may carry: the budget left, and under an ITL target
+        the time left. 0 defers it (a starved job still gets one work item now and then)."""
+        if not self.config.enable_chunked_encoder:
+            return math.inf
+        units = max(0, budget) / self._tokens_per_encoder_unit()
+        per_unit = self.cost_model.seconds_per("encoder_units")
+        if target is not None and per_unit > 0:
+            time_left = target - self.cost_model.predict(features)
+            units = min(units, max(0.0, time_left) / per_unit)
+        if units <= 0:
+            req.deferred_steps += 1
+            if req.deferred_steps > self.config.max_deferred_steps:
+                req.deferred_steps = 0
+                return 1e-9  # the runner always runs at least one work item
+        return units
 
     def _fit_under_target(
         self, req: Request, start: int, n: int, base: StepFeatures, target: float
@@ -350,15 +431,9 @@ class Scheduler:
             lo, hi = max(start, im.offset), min(end, im.offset + im.num_tokens)
             if lo >= hi:
                 continue
-            if not self.encoder_cache.pinned_by(im.content_hash, req.request_id):
-                must_encode, evicted = self.encoder_cache.acquire(
-                    im.content_hash, req.request_id, im.num_tokens
-                )
-                out.evicted_encoder_hashes.extend(evicted)
-                if must_encode:
-                    out.encoder_jobs.append(
-                        EncoderJob(im.content_hash, im.pixel_values, im.grid_thw)
-                    )
+            self._pin_image(req, im, out)
+            if not self.encoder_cache.ready(im.content_hash):
+                out.encoder_work.setdefault(im.content_hash, math.inf)  # must be ready now
             image_slices.append((im.content_hash, lo - im.offset, hi - im.offset, lo - start))
         out.chunks.append(
             ScheduledChunk(
@@ -379,13 +454,18 @@ class Scheduler:
 
     # ---- results --------------------------------------------------------------------------
     def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[str, int]
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, int],
+        encoder_progress: dict[str, float] | None = None,
     ) -> tuple[list[tuple[Request, list[int]]], list[Request]]:
         """Advance computed counts, append sampled tokens, stop finished requests.
 
         Returns (requests that got a new token, with it) and the requests finished this step.
         """
         now = self.clock()
+        if encoder_progress:
+            self.encoder_cache.update_progress(encoder_progress)
         progressed: list[tuple[Request, list[int]]] = []
         finished: list[Request] = list(out.expired)
         for chunk in out.chunks:

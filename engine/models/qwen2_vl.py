@@ -144,15 +144,32 @@ class Qwen2VLModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    def vision_tower(self, max_rows_per_item: int | None = None) -> VisionTower:
+        """Our resumable forward over ``self.visual``'s weights (built on first use)."""
+        if self._vision_tower is None or self._vision_tower.max_rows_per_item != max_rows_per_item:
+            self._vision_tower = VisionTower(
+                self.visual, self.vision_config, self.architecture, max_rows_per_item
+            )
+        return self._vision_tower
+
+    def encoder_unit_tokens(self) -> float:
+        """FLOP ratio of one vision patch-block unit to one decoder token: the scheduler's
+        exchange rate between encoder work and its token budget before it has measured both."""
+        text = self.text_config
+        hidden, inter = text.hidden_size, text.intermediate_size
+        q = text.num_attention_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter
+        token_flops = 2 * (self.num_layers * per_layer + hidden * text.vocab_size)
+        return self.vision_tower().patch_block_flops / token_flops
+
     @torch.inference_mode()
     def encode_images(
         self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
     ) -> list[torch.Tensor]:
         """Vision tower over several images at once; one embedding tensor per image."""
         if self.vision_impl == "engine":
-            if self._vision_tower is None:  # lazily: self.visual is attached after __init__
-                self._vision_tower = VisionTower(self.visual, self.vision_config, self.architecture)
-            return self._vision_tower.encode(pixel_values, grid_thw)
+            return self.vision_tower().encode(pixel_values, grid_thw)
         dtype = next(self.visual.parameters()).dtype
         out = self.visual(pixel_values.to(dtype), grid_thw=grid_thw)
         merged = out.pooler_output if hasattr(out, "pooler_output") else out

@@ -50,7 +50,7 @@ def test_chunks_respect_the_budget_and_decodes_come_first(tiny_qwen2_vl):
         if any(kinds) and not all(kinds):
             seen_prefill_with_decode = True
         result = eng.runner.execute(sched)
-        eng.scheduler.update_from_output(sched, result.sampled)
+        eng.scheduler.update_from_output(sched, result.sampled, result.encoder_progress)
     assert seen_prefill_with_decode
 
 

@@ -59,7 +59,7 @@ def test_interactive_request_is_scheduled_the_step_after_it_arrives(tiny_qwen2_v
     assert ids[0] == "chat", "the waiting interactive request takes the budget first"
     assert sum(c.num_tokens for c in sched.chunks if c.request_id == "chat") == 8
     result = eng.runner.execute(sched)
-    eng.scheduler.update_from_output(sched, result.sampled)
+    eng.scheduler.update_from_output(sched, result.sampled, result.encoder_progress)
     assert eng.scheduler.requests["cam"].num_computed_tokens > 0, "paused, KV kept"
     done = _run_to_completion(eng)
     assert done["cam"] == alone
@@ -94,7 +94,9 @@ def test_expired_batch_requests_cost_no_compute_and_are_counted(tiny_qwen2_vl):
         seen |= {c.request_id for c in sched.chunks}
         assert not any(j for j in sched.encoder_jobs if j.content_hash is None)
         result = eng.runner.execute(sched) if not sched.is_empty else None
-        _, finished = eng.scheduler.update_from_output(sched, result.sampled if result else {})
+        _, finished = eng.scheduler.update_from_output(
+            sched, result.sampled if result else {}, result.encoder_progress if result else None
+        )
         for req in finished:
             outputs[req.request_id] = req.status.value
     assert not seen & {"cam0", "cam1", "cam2"}, "expired requests never reach the model"
@@ -134,7 +136,9 @@ def test_preemption_takes_batch_work_first_newest_first(tiny_qwen2_vl):
             assert sched.preempted_ids[0] == max(batch_running), "newest batch request first"
         preempted_order += sched.preempted_ids
         result = eng.runner.execute(sched)
-        _, finished = eng.scheduler.update_from_output(sched, result.sampled)
+        _, finished = eng.scheduler.update_from_output(
+            sched, result.sampled, result.encoder_progress
+        )
         done.update({r.request_id: r.output_token_ids for r in finished})
     assert preempted_order, "the pool must be too small for all four"
     first_chat = next((i for i, r in enumerate(preempted_order) if r.startswith("chat")), None)
@@ -174,7 +178,7 @@ SYNTHETIC = {
     "prefill_tokens": 0.0005,
     "decode_tokens": 0.001,
     "attention_kunits": 0.0001,
-    "encoder_patches": 0.0002,
+    "encoder_kunits": 0.0002,
 }
 
 
@@ -183,7 +187,7 @@ def test_adaptive_budget_keeps_predicted_step_under_target(tiny_qwen2_vl, target
     _, eng = _engine(tiny_qwen2_vl, max_num_batched_tokens=512, target_itl_ms=str(target_ms))
     model = StepCostModel(coefficients=SYNTHETIC)
     eng.scheduler.cost_model = model
-    chat = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
+    chat = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     eng.add_request("chat", text_conv("hello"), chat)
     eng.step()  # chat prefill
     eng.add_request(
@@ -191,7 +195,7 @@ def test_adaptive_budget_keeps_predicted_step_under_target(tiny_qwen2_vl, target
     )
     eng.add_request(
         "cam2",
-        text_conv("report " * 60),
+        text_conv("report " * 150),
         SamplingParams(temperature=0, max_tokens=2),
         priority="batch",
     )
@@ -214,7 +218,9 @@ def test_adaptive_budget_keeps_predicted_step_under_target(tiny_qwen2_vl, target
             )
             assert sched.num_prefill_tokens == min(512, remaining), "full budget without chat"
         result = eng.runner.execute(sched)
-        eng.step_outputs = eng.scheduler.update_from_output(sched, result.sampled)
+        eng.step_outputs = eng.scheduler.update_from_output(
+            sched, result.sampled, result.encoder_progress
+        )
     assert capped_steps > 0 and full_steps > 0
 
 
@@ -241,7 +247,7 @@ def test_cost_model_learns_a_linear_step_time():
             prefill_tokens=(i * 37) % 300,
             decode_tokens=i % 9,
             attention_units=(i * 1000) % 7000,
-            encoder_patches=(i % 5) * 64,
+            encoder_units=(i % 5) * 6400.0,
         )
         model.observe(f, truth.predict(f))
     for name, value in SYNTHETIC.items():
