@@ -9,7 +9,8 @@ For each mode a server is started on the same checkpoint and dtype, then driven 
   at t=0).
 
 Modes: ``chunked-N`` (budget N), ``unchunked`` (whole prompt in one step), ``adaptive-X``
-(``--target-itl-ms X``, ``auto`` allowed), ``hf`` / ``hf-cb`` (``transformers serve``
+(``--target-itl-ms X``, ``auto`` allowed), any of those with ``+wholeenc`` (image encoding
+not split across steps, as in vLLM/SGLang), ``hf`` / ``hf-cb`` (``transformers serve``
 without / with ``--continuous-batching``; sent plain OpenAI requests). Metric definitions
 follow shared/DESIGN.md (TTFT, ITL, TPOT, stall = ITL > 5x the median alone-phase ITL).
 
@@ -95,6 +96,7 @@ def server_command(mode: str, model: Path, port: int, args) -> tuple[list[str], 
         if mode == "hf-cb":
             cmd.append("--continuous-batching")
         return cmd, False
+    mode, _, variant = mode.partition("+")
     cmd = [
         sys.executable,
         "-m",
@@ -126,6 +128,10 @@ def server_command(mode: str, model: Path, port: int, args) -> tuple[list[str], 
         ]
     else:
         raise SystemExit(f"unknown mode {mode!r}")
+    if variant == "wholeenc":  # the vision encoder runs a whole image inside one step
+        cmd.append("--no-enable-chunked-encoder")
+    elif variant:
+        raise SystemExit(f"unknown mode variant {variant!r}")
     return cmd, True
 
 
@@ -469,7 +475,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument(
-        "--modes", default="chunked-256,chunked-512,chunked-2048,unchunked,adaptive-auto,hf,hf-cb"
+        "--modes",
+        default="chunked-256,chunked-512,chunked-2048,unchunked,adaptive-auto,"
+        "adaptive-auto+wholeenc,chunked-512+wholeenc,hf,hf-cb",
     )
     ap.add_argument("--num-chat", type=int, default=4)
     ap.add_argument("--chat-min-tokens", type=int, default=64)
