@@ -37,7 +37,7 @@ class EngineArgs:
     target_itl_ms: str | None = None
     encoder_cache_size: int = 16384  # image embeddings (tokens) kept for reuse
     enable_chunked_encoder: bool = True  # image encoding advanced under the step budget
-    encoder_rows_per_item: int = 256  # granularity of encoder work (patch rows per item)
+    encoder_rows_per_item: int = 64  # granularity of encoder work (patch rows per item)
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU (None: torch default)
     max_queue_len: int = 0  # 0: unbounded waiting queue

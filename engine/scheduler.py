@@ -93,7 +93,7 @@ class SchedulerConfig:
     # interactive requests decode; "auto" = auto_target_factor x the predicted decode-only step
     target_itl_s: float | str | None = None
     auto_target_factor: float = 1.25
-    max_deferred_steps: int = 200  # starvation guard for prefills held back by the target
+    max_deferred_steps: int = 16  # starvation guard for prefills held back by the target
     # stall-free encoding: image encoding is advanced under the step budget, not run whole
     enable_chunked_encoder: bool = True
     # FLOP-based token equivalent of one encoder unit, until the cost model calibrates it
