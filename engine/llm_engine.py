@@ -272,6 +272,7 @@ class LLMEngine:
         s.last_step_decode_tokens = sched.num_decode_tokens
         s.last_step_encoder_s = result.encode_s if result else 0.0
         s.total_prefill_tokens_computed += sched.num_prefill_tokens
+        s.record_step_tokens(sched.num_prefill_tokens + sched.num_decode_tokens)
 
     def get_stats(self) -> EngineStats:
         s = self.stats

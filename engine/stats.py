@@ -30,6 +30,9 @@ class ClassStats:
         return self.itl_s_total / self.itl_count if self.itl_count else 0.0
 
 
+STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
 @dataclass
 class EngineStats:
     num_running: int = 0
@@ -56,6 +59,17 @@ class EngineStats:
     itl_target_s: float | None = None  # target applied to the last step (None: full budget)
     prefill_budget: int = 0  # prefill tokens the last step allowed
     per_class: dict[str, ClassStats] = field(default_factory=dict)
+    # tokens per step as a cumulative histogram (Prometheus style): bucket bound -> steps <= it
+    step_tokens_buckets: dict[int, int] = field(
+        default_factory=lambda: dict.fromkeys(STEP_TOKEN_BUCKETS, 0)
+    )
+    step_tokens_sum: int = 0
+
+    def record_step_tokens(self, tokens: int) -> None:
+        self.step_tokens_sum += tokens
+        for bound in STEP_TOKEN_BUCKETS:
+            if tokens <= bound:
+                self.step_tokens_buckets[bound] += 1
 
     @property
     def kv_usage(self) -> float:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 request_logger = logging.getLogger("vision_serve.requests")
@@ -206,10 +206,55 @@ class EngineStatsCollector(Collector):
                 continue
             family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
             yield family(f"{PREFIX}_{name}", doc, value=float(value))
+        yield from _policy_series(stats)
         total = getattr(stats, "kv_blocks_total", 0) or 0
         used = getattr(stats, "kv_blocks_used", 0) or 0
         yield GaugeMetricFamily(
             f"{PREFIX}_kv_cache_usage_perc",
             "Fraction of KV blocks in use.",
             value=used / total if total else 0.0,
+        )
+
+
+def _policy_series(stats: Any) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """Per-class outcomes, the step-cost model and the budget it chose, tokens per step."""
+    per_class = getattr(stats, "per_class", None) or {}
+    for name, attr, doc in (
+        ("class_requests_finished", "finished", "Requests finished, per priority class."),
+        ("class_requests_expired", "expired", "Requests expired, per priority class."),
+        ("class_requests_aborted", "aborted", "Requests aborted, per priority class."),
+        ("class_preemptions", "preemptions", "Preemptions, per priority class."),
+        ("class_queue_seconds", "queue_time_s_total", "Queue time, per priority class."),
+    ):
+        family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["priority"])
+        for cls, cls_stats in per_class.items():
+            family.add_metric([cls], float(getattr(cls_stats, attr, 0)))
+        yield family
+    coefficients = getattr(stats, "cost_model", None) or {}
+    family = GaugeMetricFamily(
+        f"{PREFIX}_step_cost_coefficient", "Learnt step-time model (s per unit).", labels=["term"]
+    )
+    for term, value in coefficients.items():
+        family.add_metric([term], float(value))
+    yield family
+    target = getattr(stats, "itl_target_s", None)
+    yield GaugeMetricFamily(
+        f"{PREFIX}_itl_target_seconds",
+        "ITL target applied to the last step (0: none, full budget).",
+        value=float(target or 0.0),
+    )
+    yield GaugeMetricFamily(
+        f"{PREFIX}_prefill_budget_tokens",
+        "Prefill tokens the last step allowed.",
+        value=float(getattr(stats, "prefill_budget", 0)),
+    )
+    buckets = getattr(stats, "step_tokens_buckets", None)
+    if buckets:
+        steps = float(getattr(stats, "num_steps", 0))
+        pairs = [(str(b), float(c)) for b, c in sorted(buckets.items())] + [("+Inf", steps)]
+        yield HistogramMetricFamily(
+            f"{PREFIX}_step_tokens",
+            "Tokens (prefill + decode) per engine step.",
+            buckets=pairs,
+            sum_value=float(getattr(stats, "step_tokens_sum", 0)),
         )

@@ -89,3 +89,16 @@ def test_metrics_expose_latency_histograms_per_class_and_engine_state(client, se
     ):
         assert gauge_or_counter in names, gauge_or_counter
     assert samples[("vision_serve_engine_steps_total", ())] > 0
+
+
+def test_metrics_expose_the_scheduling_policy(client, server):
+    client.chat.completions.create(
+        model=server.model, messages=IMAGE, max_tokens=2, extra_body={"priority": "batch"}
+    )
+    samples = _samples(httpx.get(server.base_url + "/metrics").text)
+    names = {name for name, _ in samples}
+    assert samples[("vision_serve_class_requests_finished_total", (("priority", "batch"),))] >= 1
+    assert "vision_serve_step_tokens_bucket" in names
+    assert "vision_serve_step_tokens_count" in names
+    assert "vision_serve_itl_target_seconds" in names
+    assert "vision_serve_prefill_budget_tokens" in names
