@@ -12,7 +12,8 @@ import numpy as np
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "results"
+# VISION_SERVE_RESULTS redirects output (the smoke tests write into a temporary directory)
+RESULTS = Path(os.environ.get("VISION_SERVE_RESULTS", ROOT / "results"))
 
 
 def log(msg: str) -> None:

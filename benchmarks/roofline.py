@@ -58,7 +58,8 @@ def main() -> None:
     n_params, _ = text_params(model_dir, elem)
 
     # prefill: a token-id prompt of exactly N tokens, one step
-    ids = [(i * 7919) % 1000 + 100 for i in range(args.prompt_tokens)]
+    text = "people walk past the camera at the station entrance " * args.prompt_tokens
+    ids = eng.tokenizer(text)["input_ids"][: args.prompt_tokens]  # real text, no special ids
     eng.add_request("warm", {"prompt_token_ids": ids[:64]}, SamplingParams(max_tokens=1))
     while eng.has_unfinished():
         eng.step()

@@ -120,12 +120,15 @@ def server_command(mode: str, model: Path, port: int, args) -> tuple[list[str], 
     elif mode.startswith("chunked-"):
         cmd += ["--max-num-batched-tokens", mode.split("-", 1)[1]]
     elif mode.startswith("adaptive-"):
+        target, _, factor = mode.split("-", 1)[1].partition("@")  # adaptive-auto@2: factor 2
         cmd += [
             "--max-num-batched-tokens",
             str(args.adaptive_max_budget),
             "--target-itl-ms",
-            mode.split("-", 1)[1],
+            target,
         ]
+        if factor:
+            cmd += ["--auto-itl-factor", factor]
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     if variant == "wholeenc":  # the vision encoder runs a whole image inside one step

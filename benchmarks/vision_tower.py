@@ -99,7 +99,7 @@ def bench_dtype(model_dir, dtype: torch.dtype, pixels, grid, args) -> dict:
 
 
 def bench_family(family: str, args) -> dict:
-    model_dir = bench_checkpoint(family)
+    model_dir = bench_checkpoint(family, args.model)
     pixels, grid = frame_inputs(model_dir, args.width, args.height)
     out: dict = {"patches": int(grid.prod(-1).sum())}
     for name in args.dtypes:
@@ -128,6 +128,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-rows", type=int, default=512, help="rows per item, split job")
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--model", help="checkpoint dir (default: the family's bench preset)")
     parser.add_argument("--out", default="vision_tower.json")
     args = parser.parse_args()
 

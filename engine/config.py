@@ -35,6 +35,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     # SLO-driven budget: target step time (ms) while interactive streams decode, or "auto"
     target_itl_ms: str | None = None
+    auto_itl_factor: float = 1.25  # "auto" target = this x the predicted decode-only step
     encoder_cache_size: int = 16384  # image embeddings (tokens) kept for reuse
     enable_chunked_encoder: bool = True  # image encoding advanced under the step budget
     encoder_rows_per_item: int = 64  # granularity of encoder work (patch rows per item)
@@ -84,6 +85,7 @@ HELP = {
     "long_prefill_token_threshold": "cap on one request's prefill chunk per step (0: none)",
     "enable_prefix_caching": "reuse KV blocks of identical prefixes (text and images)",
     "target_itl_ms": "SLO-driven budget: step-time target while chat decodes, or 'auto'",
+    "auto_itl_factor": "with --target-itl-ms auto: target = factor x decode-only step time",
     "encoder_cache_size": "image embeddings (in tokens) kept for reuse",
     "enable_chunked_encoder": "advance image encoding under the step budget (off: whole image)",
     "encoder_rows_per_item": "patch rows per unit of encoder work (smaller: finer steps)",

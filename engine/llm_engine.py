@@ -69,6 +69,7 @@ class LLMEngine:
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
                 target_itl_s=args.target_itl_s(),
+                auto_target_factor=args.auto_itl_factor,
                 enable_chunked_encoder=args.enable_chunked_encoder,
                 encoder_unit_tokens=self.model.encoder_unit_tokens(),
             ),

@@ -1,0 +1,84 @@
+"""Every benchmark script runs end to end on a tiny configuration, so none can rot.
+
+Figures from these runs mean nothing; the scripts' real runs use the bench checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(module: str, *args: str, results: Path, timeout: int = 300) -> None:
+    env = {**os.environ, "VISION_SERVE_RESULTS": str(results), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.fixture
+def results(tmp_path) -> Path:
+    return tmp_path / "results"
+
+
+def test_offline_throughput_script(tiny_qwen2_vl, results):
+    _run(
+        "benchmarks.offline_throughput",
+        "--model", str(tiny_qwen2_vl), "--dtype", "float32", "--num-requests", "2",
+        "--hf-requests", "1", "--max-tokens", "4", "--decode-tokens", "4",
+        "--image-size", "112x112", "--out", "o.json",
+        results=results,
+    )  # fmt: skip
+    data = json.loads((results / "o.json").read_text())
+    assert data["ours"]["generated_tokens"] == 8 and data["throughput_ratio"] > 0
+
+
+def test_serve_mixed_script(tiny_qwen2_vl, results):
+    _run(
+        "benchmarks.serve_mixed",
+        "--model", str(tiny_qwen2_vl), "--dtype", "float32",
+        "--modes", "chunked-16,adaptive-auto+wholeenc", "--num-chat", "2",
+        "--chat-min-tokens", "4", "--chat-max-tokens", "6", "--num-cameras", "2",
+        "--camera-rate", "inf", "--camera-tokens", "2", "--image-size", "112x112",
+        "--warmup-s", "0", "--capacity-rates", "4", "--capacity-cameras", "1", "--out", "m",
+        results=results,
+    )  # fmt: skip
+    data = json.loads((results / "m.json").read_text())
+    for mode in ("chunked-16", "adaptive-auto+wholeenc"):
+        mixed = data["modes"][mode]["mixed"]
+        assert mixed["chat"]["requests"] >= 2 and mixed["camera"]["errors"] == 0
+    assert (results / "m_itl_timeline.png").exists() and (results / "m_itl_cdf.png").exists()
+
+
+def test_roofline_script(tiny_qwen2_vl, results):
+    _run(
+        "benchmarks.roofline",
+        "--model", str(tiny_qwen2_vl), "--dtype", "float32", "--prompt-tokens", "64",
+        "--decode-steps", "4", "--batches", "1,2", "--out", "r.json",
+        results=results,
+    )  # fmt: skip
+    data = json.loads((results / "r.json").read_text())
+    assert data["prefill_mfu"] > 0 and set(data["decode"]) == {"1", "2"}
+
+
+def test_vision_tower_script(tiny_qwen2_vl, results):
+    _run(
+        "benchmarks.vision_tower",
+        "--model", str(tiny_qwen2_vl), "--width", "112", "--height", "112",
+        "--repeats", "1", "--dtypes", "fp32", "--out", "v.json",
+        results=results,
+    )  # fmt: skip
+    assert json.loads((results / "v.json").read_text())["qwen2_vl"]["patches"] > 0
