@@ -268,6 +268,32 @@ async def run_phase(
 
 
 # ---- metrics ------------------------------------------------------------------------------------
+def scrape_step_buckets(port: int) -> dict[str, float]:
+    """Our /metrics step-duration histogram: cumulative count per bucket bound."""
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("vision_serve_step_seconds_bucket{"):
+            bound = line.split('le="', 1)[1].split('"', 1)[0]
+            out[bound] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def longest_step_bound(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """Upper bound of the longest step between two scrapes: the smallest bucket bound that
+    holds every step taken meanwhile."""
+    if not after:
+        return None
+    total = after.get("+Inf", 0) - before.get("+Inf", 0)
+    for bound in sorted((b for b in after if b != "+Inf"), key=float):
+        if after[bound] - before.get(bound, 0) >= total:
+            return float(bound)
+    return float("inf")
+
+
 def pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -387,10 +413,12 @@ def run_mode(mode: str, model: Path, args) -> dict:
         alone = asyncio.run(run_phase(base, served, ours, args, None, 0, rng_seed=args.seed))
         alone_itl = [g for r in alone for g in r.itls]
         median_itl = statistics.median(alone_itl) if alone_itl else None
+        steps_before = scrape_step_buckets(port) if ours else {}
         mixed = asyncio.run(
             run_phase(base, served, ours, args, args.camera_rate, args.num_cameras, args.seed + 1)
         )
         result = {
+            "max_step_s": longest_step_bound(steps_before, scrape_step_buckets(port)),
             "command": cmd,
             "alone": summarise(alone, median_itl),
             "mixed": summarise(mixed, median_itl),
@@ -424,7 +452,15 @@ def fmt(v, scale=1e3, f=".0f"):
 
 
 def print_table(results: dict) -> None:
-    cols = ["mode", "chat ITL p50/p99/max ms", "alone p99", "stalls", "cam TTFT p50/p99 s", "tok/s"]
+    cols = [
+        "mode",
+        "chat ITL p50/p99/max ms",
+        "alone p99",
+        "stalls",
+        "cam TTFT p50/p99 s",
+        "tok/s",
+        "longest step <= ms",
+    ]
     print("\n" + " | ".join(cols))
     for mode, r in results.items():
         c, k = r["mixed"]["chat"], r["mixed"]["camera"]
@@ -437,6 +473,7 @@ def print_table(results: dict) -> None:
                     str(c["stalls"]),
                     f"{fmt(k['ttft_p50'], 1, '.2f')}/{fmt(k['ttft_p99'], 1, '.2f')}",
                     f"{r['mixed']['output_tok_s']:.1f}",
+                    fmt(r.get("max_step_s")),
                 ]
             )
         )

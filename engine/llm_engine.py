@@ -268,6 +268,7 @@ class LLMEngine:
         self.scheduler.cost_model.observe(sched.features, elapsed)
         s.num_steps += 1
         s.last_step_time_s = elapsed
+        s.record_step_time(elapsed)
         s.total_step_time_s += elapsed
         s.last_step_prefill_tokens = sched.num_prefill_tokens
         s.last_step_decode_tokens = sched.num_decode_tokens

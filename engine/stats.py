@@ -31,6 +31,7 @@ class ClassStats:
 
 
 STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+STEP_SECONDS_BUCKETS = (0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
 
 
 @dataclass
@@ -48,6 +49,7 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of those, tokens found (not recomputed)
     num_steps: int = 0
     last_step_time_s: float = 0.0
+    max_step_time_s: float = 0.0  # the longest step so far: the worst stall any stream saw
     last_step_prefill_tokens: int = 0
     last_step_decode_tokens: int = 0
     last_step_encoder_s: float = 0.0
@@ -64,6 +66,15 @@ class EngineStats:
         default_factory=lambda: dict.fromkeys(STEP_TOKEN_BUCKETS, 0)
     )
     step_tokens_sum: int = 0
+    step_seconds_buckets: dict[float, int] = field(
+        default_factory=lambda: dict.fromkeys(STEP_SECONDS_BUCKETS, 0)
+    )
+
+    def record_step_time(self, seconds: float) -> None:
+        self.max_step_time_s = max(self.max_step_time_s, seconds)
+        for bound in STEP_SECONDS_BUCKETS:
+            if seconds <= bound:
+                self.step_seconds_buckets[bound] += 1
 
     def record_step_tokens(self, tokens: int) -> None:
         self.step_tokens_sum += tokens

@@ -185,6 +185,7 @@ _ENGINE_SERIES: tuple[tuple[str, str, str, str], ...] = (
     ("gauge", "last_step_prefill_tokens", "last_step_prefill_tokens", "Prefill tokens, last step."),
     ("gauge", "last_step_decode_tokens", "last_step_decode_tokens", "Decode tokens, last step."),
     ("gauge", "last_step_time_seconds", "last_step_time_s", "Duration of the last step."),
+    ("gauge", "max_step_time_seconds", "max_step_time_s", "Longest step since start."),
     ("gauge", "last_step_encoder_seconds", "last_step_encoder_s", "Vision encoder, last step."),
 )
 
@@ -248,6 +249,16 @@ def _policy_series(stats: Any) -> Iterator[GaugeMetricFamily | CounterMetricFami
         "Prefill tokens the last step allowed.",
         value=float(getattr(stats, "prefill_budget", 0)),
     )
+    seconds = getattr(stats, "step_seconds_buckets", None)
+    if seconds:
+        steps = float(getattr(stats, "num_steps", 0))
+        pairs = [(str(b), float(c)) for b, c in sorted(seconds.items())] + [("+Inf", steps)]
+        yield HistogramMetricFamily(
+            f"{PREFIX}_step_seconds",
+            "Duration of engine steps (a chat stream's ITL is at least its step's).",
+            buckets=pairs,
+            sum_value=float(getattr(stats, "total_step_time_s", 0.0)),
+        )
     buckets = getattr(stats, "step_tokens_buckets", None)
     if buckets:
         steps = float(getattr(stats, "num_steps", 0))
