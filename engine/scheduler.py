@@ -323,10 +323,14 @@ class Scheduler:
         if not self.config.enable_chunked_encoder:
             return math.inf
         units = max(0, budget) / self._tokens_per_encoder_unit()
-        per_unit = self.cost_model.seconds_per("encoder_units")
-        if target is not None and per_unit > 0:
+        if target is not None:
+            per_unit = self.cost_model.seconds_per("encoder_units")
+            if per_unit <= 0:  # not separated by the fit yet: price it by FLOPs, never as free
+                per_unit = (
+                    self.cost_model.seconds_per("prefill_tokens") * self.config.encoder_unit_tokens
+                )
             time_left = target - self.cost_model.predict(features)
-            units = min(units, max(0.0, time_left) / per_unit)
+            units = min(units, max(0.0, time_left) / per_unit) if per_unit > 0 else 0.0
         if units <= 0:
             req.deferred_steps += 1
             if req.deferred_steps > self.config.max_deferred_steps:
@@ -343,6 +347,9 @@ class Scheduler:
         def fits(k: int) -> bool:
             return self.cost_model.predict(base.plus(self._chunk_features(req, start, k))) <= target
 
+        if self.cost_model.seconds_per("prefill_tokens") <= 0:
+            # the fit has not separated prefill cost yet: a prediction would call any chunk free
+            return min(n, self.kv.block_size)
         if fits(n):
             return n
         lo, hi = 0, n  # fits(lo) holds (lo = 0 means nothing), fits(hi) fails

@@ -252,3 +252,27 @@ def test_cost_model_learns_a_linear_step_time():
         model.observe(f, truth.predict(f))
     for name, value in SYNTHETIC.items():
         assert model.coefficients()[name] == pytest.approx(value, rel=1e-3, abs=1e-7)
+
+
+def test_an_unfitted_cost_term_is_never_treated_as_free(tiny_qwen2_vl):
+    """If the fit zeroes the encoder (or prefill) term, the target must still bound the step."""
+    _, eng = _engine(tiny_qwen2_vl, max_num_batched_tokens=2048, target_itl_ms="10")
+    no_encoder = {**SYNTHETIC, "encoder_kunits": 0.0}
+    eng.scheduler.cost_model = StepCostModel(coefficients=no_encoder)
+    eng.add_request("chat", text_conv("hello"), SamplingParams(max_tokens=40, ignore_eos=True))
+    eng.step()
+    eng.add_request("cam", _frame_conv(91), SamplingParams(max_tokens=1), priority="batch")
+    sched = eng.scheduler.schedule()
+    tokens_per_unit = eng.scheduler.config.encoder_unit_tokens
+    priced = StepCostModel(coefficients=SYNTHETIC)
+    for units in sched.encoder_work.values():
+        # priced by FLOPs: the encoder work alone fits in what the target leaves
+        assert units * tokens_per_unit * SYNTHETIC["prefill_tokens"] <= 0.010
+    assert priced.predict(sched.features) < 1.0
+
+    eng.scheduler.cost_model = StepCostModel(coefficients={**SYNTHETIC, "prefill_tokens": 0.0})
+    eng.add_request(
+        "long", text_conv("words " * 300), SamplingParams(max_tokens=1), priority="batch"
+    )
+    sched = eng.scheduler.schedule()
+    assert sched.num_prefill_tokens <= 2 * eng.kv.block_size
