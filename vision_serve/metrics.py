@@ -249,23 +249,27 @@ def _policy_series(stats: Any) -> Iterator[GaugeMetricFamily | CounterMetricFami
         "Prefill tokens the last step allowed.",
         value=float(getattr(stats, "prefill_budget", 0)),
     )
-    seconds = getattr(stats, "step_seconds_buckets", None)
-    if seconds:
-        steps = float(getattr(stats, "num_steps", 0))
-        pairs = [(str(b), float(c)) for b, c in sorted(seconds.items())] + [("+Inf", steps)]
-        yield HistogramMetricFamily(
-            f"{PREFIX}_step_seconds",
+    steps = float(getattr(stats, "num_steps", 0))
+    for name, doc, buckets_attr, sum_attr in (
+        (
+            "step_seconds",
             "Duration of engine steps (a chat stream's ITL is at least its step's).",
-            buckets=pairs,
-            sum_value=float(getattr(stats, "total_step_time_s", 0.0)),
-        )
-    buckets = getattr(stats, "step_tokens_buckets", None)
-    if buckets:
-        steps = float(getattr(stats, "num_steps", 0))
-        pairs = [(str(b), float(c)) for b, c in sorted(buckets.items())] + [("+Inf", steps)]
-        yield HistogramMetricFamily(
-            f"{PREFIX}_step_tokens",
+            "step_seconds_buckets",
+            "total_step_time_s",
+        ),
+        (
+            "step_tokens",
             "Tokens (prefill + decode) per engine step.",
-            buckets=pairs,
-            sum_value=float(getattr(stats, "step_tokens_sum", 0)),
-        )
+            "step_tokens_buckets",
+            "step_tokens_sum",
+        ),
+    ):
+        buckets = getattr(stats, buckets_attr, None)
+        if buckets:
+            pairs = [(str(b), float(c)) for b, c in sorted(buckets.items())] + [("+Inf", steps)]
+            yield HistogramMetricFamily(
+                f"{PREFIX}_{name}",
+                doc,
+                buckets=pairs,
+                sum_value=float(getattr(stats, sum_attr, 0)),
+            )
