@@ -18,6 +18,7 @@ import torch
 
 from benchmarks.common import bench_checkpoint, camera_frame, log, save_json, setup_env
 from benchmarks.machine import matmul_peak_flops, memory_bandwidth
+from engine.device import resolve_dtype
 
 
 def conv(i: int, image) -> list[dict]:
@@ -196,7 +197,7 @@ def main() -> None:
     ap.add_argument("--image-size", default="640x480")
     ap.add_argument("--out", default="offline_throughput.json")
     args = ap.parse_args()
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     w, h = (int(x) for x in args.image_size.split("x"))
     model_dir = bench_checkpoint(args.family, args.model)
     # one distinct frame per request: repeated frames would hit the prefix cache and flatter us

@@ -18,6 +18,7 @@ import torch
 from benchmarks.common import bench_checkpoint, log, save_json, setup_env
 from benchmarks.machine import matmul_peak_flops, memory_bandwidth
 from benchmarks.offline_throughput import attention_flops, text_params
+from engine.device import resolve_dtype
 
 
 def decode_bytes_per_step(n_params: int, elem: int, cfg, contexts: list[int]) -> int:
@@ -40,7 +41,7 @@ def main() -> None:
 
     from engine import LLM, SamplingParams
 
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     elem = torch.tensor([], dtype=dtype).element_size()
     model_dir = bench_checkpoint(args.family, args.model)
     log("measuring machine limits")
