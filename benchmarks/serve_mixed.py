@@ -339,6 +339,12 @@ def meets_slo(summary: dict, args) -> bool:
         and chat["ttft_p50"] is not None
         and chat["ttft_p50"] * 1e3 <= args.slo_ttft_ms
         and summary["camera"]["errors"] == 0
+        # frames must keep up too: a mode that meets the chat SLO by starving them has no
+        # capacity for them (camera TTFT grows without bound once the rate is too high)
+        and (
+            summary["camera"]["ttft_p50"] is None
+            or summary["camera"]["ttft_p50"] <= args.slo_camera_ttft_s
+        )
     )
 
 
@@ -535,6 +541,12 @@ def main() -> None:
     ap.add_argument("--capacity-cameras", type=int, default=6)
     ap.add_argument("--slo-itl-ms", type=float, default=200.0)
     ap.add_argument("--slo-ttft-ms", type=float, default=3000.0)
+    ap.add_argument(
+        "--slo-camera-ttft-s",
+        type=float,
+        default=20.0,
+        help="capacity also needs camera TTFT p50 under this: frames must keep up",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="serve_mixed")
     args = ap.parse_args()

@@ -1,13 +1,23 @@
 """An online model of step time, learnt from the steps the engine actually ran.
 
-    step_s ≈ fixed + a·prefill_tokens + b·decode_tokens + c·attention_units + d·encoder_units
+    step_s ≈ fixed + a·prefill_tokens + b·decode_tokens + Σ_k h_k·max(0, rows − k)
+             + c·attention_units + d·encoder_units
+
+``rows`` are all new tokens of the step (decode and prefill): the weights are read once per
+step whatever the row count, so up to the machine's ridge point (a few rows on a CPU, hundreds
+on a GPU) a row is nearly free and past it each row costs its FLOPs. A plain linear model
+prices every prefill token at the compute-bound rate it learns from big chunks, which under an
+ITL target grants a few tokens per step when a dozen ride along for free. The hinges at
+``ROW_KNOTS`` let the fit learn that roofline shape (convex, since no coefficient may be
+negative) without knowing the machine.
 
 ``attention_units`` is the query×key work of the step (each new token times the context it
 attends to, in thousands) and ``encoder_units`` the vision-tower work run in the step (in
 thousands of the tower's patch-block units, see ``engine/models/vision_encoder.py``). The
-coefficients are refit by least squares over a sliding window of recent steps, so they track
-the machine, the model and the dtype without hand tuning; the scheduler asks the model how
-many prefill tokens fit under an inter-token-latency target.
+coefficients are refit by least squares over recent steps of every kind (see
+:class:`StepCostModel`), so they track the machine, the model and the dtype without hand
+tuning; the scheduler asks the model how many prefill tokens fit under an inter-token-latency
+target. ``engine/calibration.py`` seeds it at start-up with steps of every shape.
 """
 
 from __future__ import annotations
@@ -17,7 +27,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-FEATURES = ("fixed", "prefill_tokens", "decode_tokens", "attention_kunits", "encoder_kunits")
+ROW_KNOTS = (8, 32, 128, 512)
+FEATURES = (
+    "fixed",
+    "prefill_tokens",
+    "decode_tokens",
+    *(f"rows_over_{k}" for k in ROW_KNOTS),
+    "attention_kunits",
+    "encoder_kunits",
+)
 
 
 @dataclass
@@ -28,11 +46,13 @@ class StepFeatures:
     encoder_units: float = 0.0  # vision-tower work (patch-block units)
 
     def vector(self) -> np.ndarray:
+        rows = self.prefill_tokens + self.decode_tokens
         return np.array(
             [
                 1.0,
                 self.prefill_tokens,
                 self.decode_tokens,
+                *(max(0, rows - k) for k in ROW_KNOTS),
                 self.attention_units / 1e3,
                 self.encoder_units / 1e3,
             ]
@@ -53,17 +73,30 @@ def chunk_attention_units(start: int, num_tokens: int) -> float:
 
 
 class StepCostModel:
+    """Least squares over recent steps, kept per *kind* of step.
+
+    A plain sliding window forgets: after a minute of 4 decodes + 2 prefill tokens per step
+    it holds nothing else, the fit becomes degenerate (fixed cost and per-decode cost
+    indistinguishable, a per-token price read from noise) and the scheduler, trusting it,
+    never tries the step shapes that would correct it. So samples are kept per bucket (row
+    count on a log2 scale, with or without encoder work, pure or mixed), ``per_bucket`` each:
+    every regime the engine has seen — including the calibration run at start-up — stays in
+    the fit until newer steps of the same kind replace it.
+    """
+
     def __init__(
         self,
-        window: int = 512,
+        per_bucket: int = 32,
         refit_every: int = 8,
         min_samples: int = 8,
         coefficients: dict[str, float] | None = None,
     ) -> None:
-        self.window: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
+        self.buckets: dict[tuple, deque[tuple[np.ndarray, float]]] = {}
+        self.per_bucket = per_bucket
         self.refit_every = refit_every
         self.min_samples = min_samples
         self.since_fit = 0
+        self.num_samples = 0
         self.coef: np.ndarray | None = None
         self.fixed = coefficients is not None  # a synthetic model (tests) never refits
         if coefficients is not None:
@@ -76,16 +109,19 @@ class StepCostModel:
     def observe(self, features: StepFeatures, seconds: float) -> None:
         if self.fixed:
             return
-        self.window.append((features.vector(), seconds))
+        bucket = self.buckets.setdefault(_bucket(features), deque(maxlen=self.per_bucket))
+        self.num_samples += len(bucket) < self.per_bucket
+        bucket.append((features.vector(), seconds))
         self.since_fit += 1
-        if len(self.window) >= self.min_samples and (
+        if self.num_samples >= self.min_samples and (
             self.coef is None or self.since_fit >= self.refit_every
         ):
             self._fit()
 
     def _fit(self) -> None:
-        x = np.stack([v for v, _ in self.window])
-        y = np.array([t for _, t in self.window])
+        samples = [sample for bucket in self.buckets.values() for sample in bucket]
+        x = np.stack([v for v, _ in samples])
+        y = np.array([t for _, t in samples])
         active = np.ones(x.shape[1], dtype=bool)
         coef = np.zeros(x.shape[1])
         # least squares, then drop features that came out negative and refit (a cheap NNLS):
@@ -108,6 +144,15 @@ class StepCostModel:
         scale = 1e-3 if feature in ("attention_units", "encoder_units") else 1.0
         return float(self.coef[FEATURES.index(feature.replace("_units", "_kunits"))]) * scale
 
+    def compute_bound_prefill_s(self) -> float:
+        """Seconds per prefill token past every knee: the rate of big chunks, the exchange
+        rate for encoder work (which never rides along for free)."""
+        if self.coef is None:
+            return 0.0
+        return self.seconds_per("prefill_tokens") + sum(
+            float(self.coef[FEATURES.index(f"rows_over_{k}")]) for k in ROW_KNOTS
+        )
+
     def predict(self, features: StepFeatures) -> float:
         if self.coef is None:
             return 0.0
@@ -117,3 +162,9 @@ class StepCostModel:
         if self.coef is None:
             return {}
         return dict(zip(FEATURES, (float(c) for c in self.coef), strict=True))
+
+
+def _bucket(features: StepFeatures) -> tuple[int, bool, bool]:
+    rows = features.prefill_tokens + features.decode_tokens
+    mixed = features.prefill_tokens > 0 and features.decode_tokens > 0
+    return (min(rows, 1 << 16).bit_length(), features.encoder_units > 0, mixed)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from engine.calibration import calibrate
 from engine.config import EngineArgs
 from engine.detokenizer import IncrementalDetokenizer
 from engine.device import resolve_device, resolve_dtype
@@ -85,6 +86,14 @@ class LLMEngine:
             self.eos_token_ids,
             encoder_rows_per_item=args.encoder_rows_per_item or None,
         )
+        if args.target_itl_s() is not None:  # the target is only as good as the cost model
+            calibrate(
+                self.runner,
+                self.kv,
+                self.scheduler.cost_model,
+                args.max_num_batched_tokens,
+                args.max_num_seqs,
+            )
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.last_step_idle = False  # the last step had nothing to run
         self.stats = EngineStats(kv_blocks_total=num_blocks)

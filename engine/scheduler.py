@@ -310,7 +310,7 @@ class Scheduler:
         """Budget tokens one encoder unit costs: by measured time once the cost model knows
         both rates (vision attention is slower per FLOP than decoder matmuls), by FLOPs before."""
         per_unit = self.cost_model.seconds_per("encoder_units")
-        per_token = self.cost_model.seconds_per("prefill_tokens")
+        per_token = self.cost_model.compute_bound_prefill_s()
         if per_unit > 0 and per_token > 0:
             return per_unit / per_token
         return self.config.encoder_unit_tokens
@@ -327,7 +327,7 @@ class Scheduler:
             per_unit = self.cost_model.seconds_per("encoder_units")
             if per_unit <= 0:  # not separated by the fit yet: price it by FLOPs, never as free
                 per_unit = (
-                    self.cost_model.seconds_per("prefill_tokens") * self.config.encoder_unit_tokens
+                    self.cost_model.compute_bound_prefill_s() * self.config.encoder_unit_tokens
                 )
             time_left = target - self.cost_model.predict(features)
             units = min(units, max(0.0, time_left) / per_unit) if per_unit > 0 else 0.0
@@ -347,7 +347,7 @@ class Scheduler:
         def fits(k: int) -> bool:
             return self.cost_model.predict(base.plus(self._chunk_features(req, start, k))) <= target
 
-        if self.cost_model.seconds_per("prefill_tokens") <= 0:
+        if self.cost_model.compute_bound_prefill_s() <= 0:
             # the fit has not separated prefill cost yet: a prediction would call any chunk free
             return min(n, self.kv.block_size)
         if fits(n):

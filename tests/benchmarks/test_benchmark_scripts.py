@@ -82,3 +82,16 @@ def test_vision_tower_script(tiny_qwen2_vl, results):
         results=results,
     )  # fmt: skip
     assert json.loads((results / "v.json").read_text())["qwen2_vl"]["patches"] > 0
+
+
+def test_chunking_overhead_script(tiny_qwen2_vl, results):
+    _run(
+        "benchmarks.chunking_overhead",
+        "--model", str(tiny_qwen2_vl), "--dtype", "float32", "--prompt-tokens", "96",
+        "--chunk", "32", "--image-size", "112x112", "--repeats", "1", "--out", "c.json",
+        results=results,
+    )  # fmt: skip
+    data = json.loads((results / "c.json").read_text())
+    assert data["results"]["chunked"]["text"]["steps"] == 3
+    assert data["results"]["one-shot"]["text"]["steps"] == 1
+    assert set(data["ratios"]) == {"text", "frame"}

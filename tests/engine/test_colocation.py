@@ -254,6 +254,50 @@ def test_cost_model_learns_a_linear_step_time():
         assert model.coefficients()[name] == pytest.approx(value, rel=1e-3, abs=1e-7)
 
 
+def test_cost_model_learns_that_a_few_rows_ride_along_for_free():
+    """Roofline-shaped truth: weights streamed once per step, rows past the ridge cost FLOPs.
+    A straight line through decode-only steps and big chunks would price a 12-token chunk at
+    the big-chunk rate; the hinge features must recover the flat start."""
+    model = StepCostModel(refit_every=1)
+
+    def truth(f: StepFeatures) -> float:
+        rows = f.prefill_tokens + f.decode_tokens
+        return 0.010 + 0.0004 * max(0, rows - 10) + 0.00002 * f.attention_units / 1e3
+
+    samples = [StepFeatures(decode_tokens=d, attention_units=300 * d) for d in range(1, 7)]
+    samples += [StepFeatures(prefill_tokens=p, attention_units=p * p / 2) for p in (256, 512)]
+    samples += [StepFeatures(decode_tokens=4, prefill_tokens=p) for p in (2, 4, 20, 28, 40, 60)]
+    for f in samples * 3:
+        model.observe(f, truth(f))
+    for probe in (
+        StepFeatures(decode_tokens=4, prefill_tokens=4),
+        StepFeatures(prefill_tokens=300),
+    ):
+        assert model.predict(probe) == pytest.approx(truth(probe), rel=0.1)
+
+
+def test_an_itl_target_starts_from_a_calibrated_cost_model(tiny_qwen2_vl):
+    """The profile run leaves a fitted model, an empty KV pool and no trace in the stats."""
+    llm, eng = _engine(tiny_qwen2_vl, target_itl_ms="auto")
+    model = eng.scheduler.cost_model
+    assert model.ready and model.num_samples >= 10
+    assert all(c >= 0 for c in model.coefficients().values())
+    assert model.predict(StepFeatures(decode_tokens=4, attention_units=300)) > 0
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+    assert eng.get_stats().num_steps == 0
+    plain = _engine(tiny_qwen2_vl)[1]  # no target: no calibration, no start-up cost
+    assert not plain.scheduler.cost_model.ready
+    params = SamplingParams(temperature=0, max_tokens=8)
+    assert llm.generate("a calibrated engine", params)[0].outputs[0].token_ids == plain_tokens(
+        plain, "a calibrated engine", params
+    )
+
+
+def plain_tokens(eng, prompt: str, params: SamplingParams) -> list[int]:
+    eng.add_request("plain", prompt, params)
+    return _run_to_completion(eng)["plain"]
+
+
 def test_an_unfitted_cost_term_is_never_treated_as_free(tiny_qwen2_vl):
     """If the fit zeroes the encoder (or prefill) term, the target must still bound the step."""
     _, eng = _engine(tiny_qwen2_vl, max_num_batched_tokens=2048, target_itl_ms="10")
