@@ -54,12 +54,14 @@ def test_serve_mixed_script(tiny_qwen2_vl, results):
         "--chat-min-tokens", "4", "--chat-max-tokens", "6", "--num-cameras", "2",
         "--camera-rate", "inf", "--camera-tokens", "2", "--image-size", "112x112",
         "--warmup-s", "0", "--capacity-rates", "4", "--capacity-cameras", "1", "--out", "m",
+        "--slo-itl-ms", "200,5000",
         results=results,
     )  # fmt: skip
     data = json.loads((results / "m.json").read_text())
     for mode in ("chunked-16", "adaptive-auto+wholeenc"):
         mixed = data["modes"][mode]["mixed"]
         assert mixed["chat"]["requests"] >= 2 and mixed["camera"]["errors"] == 0
+        assert set(data["modes"][mode]["capacity_by_slo_itl_ms"]) == {"200.0", "5000.0"}
     assert (results / "m_itl_timeline.png").exists() and (results / "m_itl_cdf.png").exists()
 
 

@@ -142,6 +142,28 @@ def test_bf16_is_as_close_to_fp32_as_the_transformers_tower(checkpoint_factory, 
     assert ours_err <= 2 * theirs_err + 1e-2
 
 
+@pytest.mark.parametrize("max_rows", [None, 37])
+def test_bf16_matmul_attention_matches_the_fused_kernel(tiny_checkpoint, max_rows):
+    """The CPU bf16 path (two bmm per 64 query rows over head-major k/v) against SDPA, on an
+    image of 240 patches so the row loop and the per-block k/v copy both come into play."""
+    model, hf_config, arch = load_model(tiny_checkpoint, torch.bfloat16, torch.device("cpu"))
+    tower = VisionTower(model.visual, hf_config.vision_config, arch, max_rows)
+    pixels, grid = _inputs(model, [[1, 12, 20], [1, 4, 6]], seed=3)
+
+    def run(matmuls: bool) -> torch.Tensor:
+        job = tower.job(pixels, grid)
+        assert job._matmul_attention  # bf16 on CPU takes the matmul path by default
+        job._matmul_attention = matmuls
+        while not job.done():
+            job.advance(float("inf"))
+        return torch.cat(job.result()).float()
+
+    ours, fused = run(True), run(False)
+    cosine = torch.nn.functional.cosine_similarity(ours.flatten(), fused.flatten(), dim=0)
+    assert cosine > 0.9999
+    assert (ours - fused).abs().max() <= 0.02 * fused.abs().max()
+
+
 def test_attention_calls_batch_whole_equal_windows_and_cut_the_edges():
     windows = [(0, 4), (4, 8), (8, 12), (12, 14), (14, 18)]
     assert attention_calls(windows, 0, 18) == [
