@@ -21,7 +21,14 @@ import time
 
 import numpy as np
 
-from benchmarks.common import bench_checkpoint, camera_frame, log, save_json, setup_env
+from benchmarks.common import (
+    bench_checkpoint,
+    camera_frame,
+    checkpoint_args,
+    log,
+    save_json,
+    setup_env,
+)
 
 
 def prefill_seconds(llm, prompt, steps: list[int] | None = None) -> float:
@@ -52,9 +59,7 @@ def measure(llm, prompts: list, label: str) -> dict:
 def main() -> None:
     setup_env()
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model")
-    ap.add_argument("--family", default="qwen2_vl")
-    ap.add_argument("--dtype", default="bfloat16")
+    checkpoint_args(ap)
     ap.add_argument("--prompt-tokens", type=int, default=4096)
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--image-size", default="640x480")

@@ -50,6 +50,13 @@ def save_json(name: str, data: dict) -> Path:
     return path
 
 
+def checkpoint_args(ap, dtype: str = "bfloat16") -> None:
+    """The flags every engine benchmark shares: which checkpoint, which dtype."""
+    ap.add_argument("--model", help="checkpoint dir (default: the family's bench preset)")
+    ap.add_argument("--family", default="qwen2_vl")
+    ap.add_argument("--dtype", default=dtype)
+
+
 def setup_env() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

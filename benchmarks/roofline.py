@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from benchmarks.common import bench_checkpoint, log, save_json, setup_env
+from benchmarks.common import bench_checkpoint, checkpoint_args, log, save_json, setup_env
 from benchmarks.machine import matmul_peak_flops, memory_bandwidth
 from benchmarks.offline_throughput import attention_flops, text_params
 from engine.device import resolve_dtype
@@ -30,9 +30,7 @@ def decode_bytes_per_step(n_params: int, elem: int, cfg, contexts: list[int]) ->
 def main() -> None:
     setup_env()
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model")
-    ap.add_argument("--family", default="qwen2_vl")
-    ap.add_argument("--dtype", default="bfloat16")
+    checkpoint_args(ap)
     ap.add_argument("--prompt-tokens", type=int, default=1000)
     ap.add_argument("--decode-steps", type=int, default=48)
     ap.add_argument("--batches", default="1,8")
