@@ -80,8 +80,10 @@ def free_port() -> int:
 def server_command(mode: str, model: Path, port: int, args) -> tuple[list[str], bool]:
     """(argv, is_ours)."""
     if mode in ("hf", "hf-cb"):
+        # the CLI installed beside this interpreter: the venv need not be on PATH
+        beside = Path(sys.executable).with_name("transformers")
         cmd = [
-            "transformers",
+            str(beside) if beside.exists() else "transformers",
             "serve",
             str(model),
             "--host",
