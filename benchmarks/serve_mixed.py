@@ -333,11 +333,14 @@ def summarise(records: list[RequestRecord], alone_median_itl: float | None) -> d
     return out
 
 
-def meets_slo(summary: dict, args, slo_itl_ms: float) -> bool:
+def meets_slo(summary: dict, args, slo_itl_ms: float, itl_stat: str = "itl_p99") -> bool:
+    """DESIGN.md's capacity test (``itl_stat="itl_p99"``), or its stall-free variant
+    (``"itl_max"``): a p99 over thousands of chat tokens hides a few multi-second stalls when
+    frames are rare, so the max shows what a user of the stream actually sees."""
     chat = summary["chat"]
     return (
-        chat["itl_p99"] is not None
-        and chat["itl_p99"] * 1e3 <= slo_itl_ms
+        chat[itl_stat] is not None
+        and chat[itl_stat] * 1e3 <= slo_itl_ms
         and chat["ttft_p50"] is not None
         and chat["ttft_p50"] * 1e3 <= args.slo_ttft_ms
         and summary["camera"]["errors"] == 0
@@ -435,6 +438,7 @@ def run_mode(mode: str, model: Path, args) -> dict:
         }
         if args.capacity_rates:
             best = dict.fromkeys(args.slo_itl_ms, 0.0)
+            stall_free = dict.fromkeys(args.slo_itl_ms, 0.0)
             for rate in args.capacity_rates:
                 recs = asyncio.run(
                     run_phase(base, served, ours, args, rate, args.capacity_cameras, args.seed + 7)
@@ -446,9 +450,12 @@ def run_mode(mode: str, model: Path, args) -> dict:
                 for slo in args.slo_itl_ms:
                     if meets_slo(s, args, slo):
                         best[slo] = max(best[slo], rate)
+                    if meets_slo(s, args, slo, "itl_max"):
+                        stall_free[slo] = max(stall_free[slo], rate)
             # the first SLO is the headline; the others come from the same runs
             result["capacity_req_s"] = best[args.slo_itl_ms[0]]
             result["capacity_by_slo_itl_ms"] = {str(k): v for k, v in best.items()}
+            result["stall_free_capacity_by_slo_itl_ms"] = {str(k): v for k, v in stall_free.items()}
     return result
 
 
@@ -490,6 +497,20 @@ def print_table(results: dict) -> None:
         )
 
 
+def print_capacity(results: dict) -> None:
+    rows = {m: r for m, r in results.items() if "capacity_by_slo_itl_ms" in r}
+    if not rows:
+        return
+    slos = list(next(iter(rows.values()))["capacity_by_slo_itl_ms"])
+    heads = [f"p99 ITL <= {float(s):.0f} ms" for s in slos]
+    heads += [f"max ITL <= {float(s):.0f} ms" for s in slos]
+    print("\ncapacity (camera req/s) | " + " | ".join(heads))
+    for mode, r in rows.items():
+        caps = [r["capacity_by_slo_itl_ms"][s] for s in slos]
+        caps += [r["stall_free_capacity_by_slo_itl_ms"][s] for s in slos]
+        print(" | ".join([mode, *(f"{c:g}" for c in caps)]))
+
+
 def ratios(results: dict) -> dict:
     def get(mode, *path):
         r = results.get(mode)
@@ -511,6 +532,15 @@ def ratios(results: dict) -> dict:
             out["best_capacity_mode"] = top
             # off has no capacity at all (0) when it never meets the SLO: the ratio is inf
             out["capacity_chunked_over_off"] = (a / b) if b else (float("inf") if a else None)
+
+            def stall_free(m):
+                caps = get(m, "stall_free_capacity_by_slo_itl_ms") or {}
+                return next(iter(caps.values()), None)
+
+            a, b = max(stall_free(m) or 0 for m in capped), stall_free("unchunked")
+            out["stall_free_capacity_chunked_over_off"] = (
+                (a / b) if b else (float("inf") if a else None)
+            )
     for peer in ("hf", "hf-cb"):
         if best and peer in results:
             a, b = get(best, "mixed", "output_tok_s"), get(peer, "mixed", "output_tok_s")
@@ -578,6 +608,7 @@ def main() -> None:
             results[mode] = {"error": str(exc)}
     ok = {m: r for m, r in results.items() if "error" not in r}
     print_table(ok)
+    print_capacity(ok)
     summary = {"args": vars(args), "ratios": ratios(ok), "modes": results}
     print(
         "\nratios:",

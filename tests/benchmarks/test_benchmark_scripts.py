@@ -62,6 +62,7 @@ def test_serve_mixed_script(tiny_qwen2_vl, results):
         mixed = data["modes"][mode]["mixed"]
         assert mixed["chat"]["requests"] >= 2 and mixed["camera"]["errors"] == 0
         assert set(data["modes"][mode]["capacity_by_slo_itl_ms"]) == {"200.0", "5000.0"}
+        assert set(data["modes"][mode]["stall_free_capacity_by_slo_itl_ms"]) == {"200.0", "5000.0"}
     assert (results / "m_itl_timeline.png").exists() and (results / "m_itl_cdf.png").exists()
 
 
