@@ -439,9 +439,11 @@ def run_mode(mode: str, model: Path, args) -> dict:
         if args.capacity_rates:
             best = dict.fromkeys(args.slo_itl_ms, 0.0)
             stall_free = dict.fromkeys(args.slo_itl_ms, 0.0)
-            for rate in args.capacity_rates:
+            for i, rate in enumerate(args.capacity_rates):
+                # fresh frames per rate: a frame seen before is a prefix/encoder-cache hit
+                seed = args.seed + 7 + 1000 * i
                 recs = asyncio.run(
-                    run_phase(base, served, ours, args, rate, args.capacity_cameras, args.seed + 7)
+                    run_phase(base, served, ours, args, rate, args.capacity_cameras, seed)
                 )
                 s = summarise(recs, median_itl)
                 result.setdefault("capacity_runs", {})[str(rate)] = s

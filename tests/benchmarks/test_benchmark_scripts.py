@@ -91,7 +91,7 @@ def test_chunking_overhead_script(tiny_qwen2_vl, results):
     _run(
         "benchmarks.chunking_overhead",
         "--model", str(tiny_qwen2_vl), "--dtype", "float32", "--prompt-tokens", "96",
-        "--chunk", "32", "--image-size", "112x112", "--repeats", "1", "--out", "c.json",
+        "--chunk", "32", "--image-size", "112x112", "--repeats", "2", "--out", "c.json",
         results=results,
     )  # fmt: skip
     data = json.loads((results / "c.json").read_text())
