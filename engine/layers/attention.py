@@ -173,18 +173,29 @@ def _prefix_plus_causal(
     scale: float,
 ) -> torch.Tensor:
     rows = slice(chunk.q_start, chunk.q_end)
-    start = chunk.context_slots.shape[0] - (chunk.q_end - chunk.q_start)
+    n = chunk.q_end - chunk.q_start
+    start = chunk.context_slots.shape[0] - n
     prefix = chunk.context_slots[:start]
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
 
-    def heads_first(t: torch.Tensor) -> torch.Tensor:  # [L, KVH, D] -> [1, H, L, D]
+    # cached prefix, no mask: the `group` query heads sharing a KV head are stacked as one
+    # longer query sequence, so the prefix keys are read as they are in the cache (a late
+    # chunk of a long prompt would otherwise copy its whole prefix `group` times per layer)
+    qg = q[rows].view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    qg = qg.reshape(1, num_kv_heads, group * n, head_dim)
+    kp = k_cache[prefix].transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
+    vp = v_cache[prefix].transpose(0, 1).unsqueeze(0)
+    o_old, lse_old = _FLASH_CPU(qg, kp, vp, 0.0, False, scale=scale)
+    o_old = o_old.reshape(1, num_kv_heads * group, n, head_dim)
+    lse_old = lse_old.reshape(1, -1, n)  # [1, H, n]: head h = kv head h // group, as q
+
+    # the chunk's own keys, causal: short, so repeating them per query head is cheap
+    def heads_first(t: torch.Tensor) -> torch.Tensor:  # [n, KVH, D] -> [1, H, n, D]
         if group > 1:
             t = t.repeat_interleave(group, dim=1)
         return t.transpose(0, 1).unsqueeze(0)
 
     qh = q[rows].transpose(0, 1).unsqueeze(0)
-    o_old, lse_old = _FLASH_CPU(
-        qh, heads_first(k_cache[prefix]), heads_first(v_cache[prefix]), 0.0, False, scale=scale
-    )
     o_new, lse_new = _FLASH_CPU(
         qh, heads_first(k[rows]), heads_first(v[rows]), 0.0, True, scale=scale
     )
