@@ -10,7 +10,7 @@ twice; the second, warm, time goes to the cost model. Online steps replace these
 bucket by bucket (see :class:`engine.cost_model.StepCostModel`), so the calibration is a
 starting point, not a constant.
 
-Costs: well under a second on the tiny test checkpoints, a few seconds on ``bench``.
+Costs: well under a second on the tiny test checkpoints, ~3 s on ``bench``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from engine.scheduler import ScheduledChunk, SchedulerOutput
 log = logging.getLogger("engine.calibration")
 
 CONTEXT = 64  # tokens each decoding request holds before the decode shapes run
-PREFILL_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+PREFILL_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)  # past ~1k tokens the fit extrapolates
 DECODE_BATCHES = (1, 2, 4, 8, 16)
 SIDE_CHUNKS = (2, 4, 8, 16, 32, 64)  # prefill tokens next to 4 decodes: the ITL-target regime
 
