@@ -16,7 +16,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import bench_checkpoint, camera_frame, log, save_json, setup_env
+from benchmarks.common import (
+    bench_checkpoint,
+    camera_frame,
+    checkpoint_args,
+    log,
+    save_json,
+    setup_env,
+)
 from benchmarks.machine import matmul_peak_flops, memory_bandwidth
 from engine.device import resolve_dtype
 
@@ -189,9 +196,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--model", help="checkpoint dir (default: generate the bench preset)")
-    ap.add_argument("--family", default="qwen2_vl")
-    ap.add_argument("--dtype", default="bfloat16")
+    checkpoint_args(ap)
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--hf-requests", type=int, default=3, help="requests run through transformers")
     ap.add_argument("--max-tokens", type=int, default=32)
