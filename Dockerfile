@@ -11,9 +11,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     YOLO_CONFIG_DIR=/tmp/ultralytics
 
 # ffmpeg: tools for camera debugging (OpenCV's wheel carries its own FFmpeg);
-# libgl1/libglib2.0-0: opencv-python, which ultralytics pulls in next to the headless build.
+# libgl1/libglib2.0-0: opencv-python, which ultralytics pulls in next to the headless build;
+# g++: engine/kernels (the fused CPU decode step) compiles on first use.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends ffmpeg libgl1 libglib2.0-0 \
+    && apt-get install -y --no-install-recommends ffmpeg libgl1 libglib2.0-0 g++ \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /app
@@ -25,6 +26,9 @@ RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu .
 
 RUN useradd --create-home --uid 10001 vision
 USER vision
+# the kernel build cache lives in the image's home dir; where the build host's CPU has no
+# AVX512-BF16 this is a no-op and the container builds at first start instead
+RUN python -m engine.kernels
 
 ENTRYPOINT ["vision-serve"]
 CMD ["--help"]

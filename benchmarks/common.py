@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -51,10 +52,16 @@ def save_json(name: str, data: dict) -> Path:
 
 
 def checkpoint_args(ap, dtype: str = "bfloat16") -> None:
-    """The flags every engine benchmark shares: which checkpoint, which dtype."""
+    """The flags every engine benchmark shares: which checkpoint, which dtype, which decode."""
     ap.add_argument("--model", help="checkpoint dir (default: the family's bench preset)")
     ap.add_argument("--family", default="qwen2_vl")
     ap.add_argument("--dtype", default=dtype)
+    ap.add_argument(
+        "--cpu-fused-decode",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="decode-only steps through engine/kernels (off: the eager PyTorch path)",
+    )
 
 
 def setup_env() -> None:

@@ -2,9 +2,10 @@
 
 Measures, in one run: the machine's matmul peak (fp32, bf16) and read bandwidth; the engine's
 prefill FLOP/s on a ~1,000-token prompt (2 x decoder params x tokens + causal attention) and
-its decode bytes/s at batch 1 and 8 (weights + KV read per step). Prints the ratios.
+its decode bytes/s at batch 1, 8 and 16 (weights + KV read per step; up to 8 rows run the fused
+kernel, see engine/kernels). Prints the ratios.
 
-    python -m benchmarks.roofline [--model DIR] [--prompt-tokens 1000] [--dtype bfloat16]
+    python -m benchmarks.roofline [--model DIR] [--prompt-tokens 1000] [--no-cpu-fused-decode]
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def main() -> None:
     checkpoint_args(ap)
     ap.add_argument("--prompt-tokens", type=int, default=1000)
     ap.add_argument("--decode-steps", type=int, default=48)
-    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--batches", default="1,8,16")
     ap.add_argument("--out", default="roofline.json")
     args = ap.parse_args()
 
@@ -50,7 +51,11 @@ def main() -> None:
     }
     peak = machine["bf16_peak_gflops" if dtype == torch.bfloat16 else "fp32_peak_gflops"] * 1e9
     llm = LLM(
-        str(model_dir), dtype=args.dtype, enable_prefix_caching=False, max_num_batched_tokens=8192
+        str(model_dir),
+        dtype=args.dtype,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=8192,
+        cpu_fused_decode=args.cpu_fused_decode,
     )
     eng = llm.engine
     cfg = eng.hf_config.text_config

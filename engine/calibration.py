@@ -71,7 +71,7 @@ class _Calibrator:
         for rid, total in need.items():
             self.kv.allocate(rid, total)
         sched = SchedulerOutput(chunks=[self.chunk(rid, n, sample) for rid, n, sample in parts])
-        features = StepFeatures()
+        features = StepFeatures(fused_decode_rows=self.runner.fused_decode_rows)
         for c in sched.chunks:
             if c.is_decode:
                 features.decode_tokens += 1

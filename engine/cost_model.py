@@ -11,6 +11,11 @@ ITL target grants a few tokens per step when a dozen ride along for free. The hi
 ``ROW_KNOTS`` let the fit learn that roofline shape (convex, since no coefficient may be
 negative) without knowing the machine.
 
+``eager_forward`` is 1 for a step whose decoder forward runs the eager PyTorch path although
+the engine also has the fused decode kernel (engine/kernels): a step with any prefill, or more
+decodes than the kernel takes, pays the eager path's per-op overhead that a decode-only step no
+longer does. Without the kernel it is always 0.
+
 ``attention_units`` is the query×key work of the step (each new token times the context it
 attends to, in thousands) and ``encoder_units`` the vision-tower work run in the step (in
 thousands of the tower's patch-block units, see ``engine/models/vision_encoder.py``). The
@@ -35,6 +40,7 @@ FEATURES = (
     *(f"rows_over_{k}" for k in ROW_KNOTS),
     "attention_kunits",
     "encoder_kunits",
+    "eager_forward",
 )
 
 
@@ -44,6 +50,18 @@ class StepFeatures:
     decode_tokens: int = 0
     attention_units: float = 0.0  # sum over new tokens of the context length they attend to
     encoder_units: float = 0.0  # vision-tower work (patch-block units)
+    fused_decode_rows: int = 0  # the engine's fused-decode row limit (0: no fused kernel)
+    force_eager: bool = False  # price the step as an eager forward whatever its shape
+
+    @property
+    def eager_forward(self) -> bool:
+        if not self.fused_decode_rows:
+            return False
+        return (
+            self.force_eager
+            or self.prefill_tokens > 0
+            or self.decode_tokens > self.fused_decode_rows
+        )
 
     def vector(self) -> np.ndarray:
         rows = self.prefill_tokens + self.decode_tokens
@@ -55,6 +73,7 @@ class StepFeatures:
                 *(max(0, rows - k) for k in ROW_KNOTS),
                 self.attention_units / 1e3,
                 self.encoder_units / 1e3,
+                float(self.eager_forward),
             ]
         )
 
@@ -64,6 +83,8 @@ class StepFeatures:
             self.decode_tokens + other.decode_tokens,
             self.attention_units + other.attention_units,
             self.encoder_units + other.encoder_units,
+            max(self.fused_decode_rows, other.fused_decode_rows),
+            self.force_eager or other.force_eager,
         )
 
 
@@ -75,13 +96,14 @@ def chunk_attention_units(start: int, num_tokens: int) -> float:
 class StepCostModel:
     """Least squares over recent steps, kept per *kind* of step.
 
-    A plain sliding window forgets: after a minute of 4 decodes + 2 prefill tokens per step
-    it holds nothing else, the fit becomes degenerate (fixed cost and per-decode cost
-    indistinguishable, a per-token price read from noise) and the scheduler, trusting it,
-    never tries the step shapes that would correct it. So samples are kept per bucket (row
-    count on a log2 scale, with or without encoder work, pure or mixed), ``per_bucket`` each:
-    every regime the engine has seen — including the calibration run at start-up — stays in
-    the fit until newer steps of the same kind replace it.
+        A plain sliding window forgets: after a minute of 4 decodes + 2 prefill tokens per step
+        it holds nothing else, the fit becomes degenerate (fixed cost and per-decode cost
+        indistinguishable, a per-token price read from noise) and the scheduler, trusting it,
+        never tries the step shapes that would correct it. So samples are kept per bucket (row
+        count on a log2 scale, with or without encoder work, pure or mixed, fused or eager forward),
+    ``per_bucket`` each:
+        every regime the engine has seen — including the calibration run at start-up — stays in
+        the fit until newer steps of the same kind replace it.
     """
 
     def __init__(
@@ -164,7 +186,12 @@ class StepCostModel:
         return dict(zip(FEATURES, (float(c) for c in self.coef), strict=True))
 
 
-def _bucket(features: StepFeatures) -> tuple[int, bool, bool]:
+def _bucket(features: StepFeatures) -> tuple[int, bool, bool, bool]:
     rows = features.prefill_tokens + features.decode_tokens
     mixed = features.prefill_tokens > 0 and features.decode_tokens > 0
-    return (min(rows, 1 << 16).bit_length(), features.encoder_units > 0, mixed)
+    return (
+        min(rows, 1 << 16).bit_length(),
+        features.encoder_units > 0,
+        mixed,
+        features.eager_forward,
+    )

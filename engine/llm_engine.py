@@ -44,7 +44,7 @@ class LLMEngine:
         self.model_dir = Path(args.model)
         self.model_name = self.model_dir.name
         self.model, self.hf_config, self.architecture = load_model(
-            self.model_dir, self.dtype, self.device
+            self.model_dir, self.dtype, self.device, cpu_fused_decode=args.cpu_fused_decode
         )
         self.processor = InputProcessor(self.model_dir, self.hf_config)
         self.tokenizer = self.processor.tokenizer
@@ -62,6 +62,15 @@ class LLMEngine:
         num_blocks = min(num_blocks, args.max_num_seqs * -(-self.max_model_len // args.block_size))
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.encoder_cache = EncoderCacheManager(args.encoder_cache_size)
+        self.runner = ModelRunner(
+            self.model,
+            num_blocks,
+            args.block_size,
+            self.dtype,
+            self.device,
+            self.eos_token_ids,
+            encoder_rows_per_item=args.encoder_rows_per_item or None,
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=args.max_num_batched_tokens,
@@ -73,18 +82,10 @@ class LLMEngine:
                 auto_target_factor=args.auto_itl_factor,
                 enable_chunked_encoder=args.enable_chunked_encoder,
                 encoder_unit_tokens=self.model.encoder_unit_tokens(),
+                fused_decode_rows=self.runner.fused_decode_rows,
             ),
             self.kv,
             self.encoder_cache,
-        )
-        self.runner = ModelRunner(
-            self.model,
-            num_blocks,
-            args.block_size,
-            self.dtype,
-            self.device,
-            self.eos_token_ids,
-            encoder_rows_per_item=args.encoder_rows_per_item or None,
         )
         if args.target_itl_s() is not None:  # the target is only as good as the cost model
             calibrate(

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels import load_cpu_decode
 from engine.layers.attention import build_attention_metadata
 from engine.sampler import sample
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import ScheduledChunk, SchedulerOutput
 
 log = logging.getLogger("engine.runner")
 
@@ -56,6 +57,42 @@ class ModelRunner:
             for _ in range(model.num_layers)
         ]
         self.encoder_outputs: dict[str, torch.Tensor] = {}
+        self.fused_decoder = self._build_fused_decoder()
+        self.fused_decode_steps = 0
+
+    # steps of at most this many decodes go through the fused kernel: past it, oneDNN's
+    # blocked matmuls reuse each weight read better than a row-wise dot product (measured)
+    FUSED_DECODE_MAX_ROWS = 8
+
+    @property
+    def fused_decode_rows(self) -> int:
+        """Most decodes a step may hold and still run the fused kernel (0: no kernel)."""
+        return self.FUSED_DECODE_MAX_ROWS if self.fused_decoder is not None else 0
+
+    def _build_fused_decoder(self):
+        weights = getattr(self.model, "decode_kernel_weights_hp", None)
+        kernels = load_cpu_decode() if weights is not None else None
+        if kernels is None:
+            return None
+        per_layer = 7
+        layers = [
+            [*weights[per_layer * i : per_layer * (i + 1)], k_cache, v_cache]
+            for i, (k_cache, v_cache) in enumerate(self.kv_caches)
+        ]
+        text = self.model.text_config
+        try:
+            return kernels.FusedDecoder(
+                layers,
+                weights[-2],
+                weights[-1],
+                text.num_attention_heads,
+                self.model.num_kv_heads,
+                self.model.head_dim,
+                float(text.rms_norm_eps),
+            )
+        except RuntimeError as exc:  # a shape the kernel does not take: eager decode
+            log.warning("fused CPU decode off for this model: %s", exc)
+            return None
 
     @staticmethod
     def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
@@ -103,6 +140,8 @@ class ModelRunner:
 
     def _forward_and_sample(self, sched: SchedulerOutput) -> dict[str, int]:
         chunks = sched.chunks
+        if self._fused_decode_applies(chunks):
+            return self._sample(self._fused_decode_logits(chunks), chunks)
         ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
         positions = torch.cat([c.positions for c in chunks], dim=1)
         hidden = self.model.embed(ids.to(self.device))
@@ -130,7 +169,31 @@ class ModelRunner:
                 sampled_chunks.append(c)
         if not sample_rows:
             return {}
-        logits = self.model.logits(hidden[sample_rows])
+        return self._sample(self.model.logits(hidden[sample_rows]), sampled_chunks)
+
+    def _fused_decode_applies(self, chunks: list[ScheduledChunk]) -> bool:
+        return (
+            self.fused_decoder is not None
+            and len(chunks) <= self.FUSED_DECODE_MAX_ROWS
+            and all(c.is_decode and c.num_tokens == 1 and c.sample for c in chunks)
+        )
+
+    def _fused_decode_logits(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """A decode-only step as one native call (engine/kernels/cpu_decode.cpp)."""
+        ids = torch.tensor([c.token_ids[0] for c in chunks], dtype=torch.long)
+        positions = torch.cat([c.positions for c in chunks], dim=1)
+        cos, sin = self.model.rotary.cos_sin(positions, self.dtype)
+        width = max(len(c.block_table) for c in chunks)
+        tables = torch.zeros(len(chunks), width, dtype=torch.long)
+        for row, c in enumerate(chunks):
+            tables[row, : len(c.block_table)] = torch.tensor(c.block_table, dtype=torch.long)
+        lengths = torch.tensor([c.start + 1 for c in chunks], dtype=torch.long)
+        self.fused_decode_steps += 1
+        return self.fused_decoder.forward(
+            self.model.embed(ids), cos, sin, tables, lengths, self.block_size
+        )
+
+    def _sample(self, logits: torch.Tensor, sampled_chunks: list[ScheduledChunk]) -> dict[str, int]:
         banned = [
             (self.eos_token_ids + list(c.params.stop_token_ids))
             if len(c.output_token_ids) < c.params.min_tokens

@@ -16,6 +16,7 @@ model runner only executes the plain :class:`SchedulerOutput` it is given.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -98,6 +99,8 @@ class SchedulerConfig:
     enable_chunked_encoder: bool = True
     # FLOP-based token equivalent of one encoder unit, until the cost model calibrates it
     encoder_unit_tokens: float = 0.01
+    # decode-only steps of up to this many rows run the fused CPU kernel (0: no kernel)
+    fused_decode_rows: int = 0
 
 
 def _rank(req: Request) -> tuple[int, float]:
@@ -166,7 +169,7 @@ class Scheduler:
         self._expire_stale(out, now)
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
-        features = StepFeatures()
+        features = StepFeatures(fused_decode_rows=self.config.fused_decode_rows)
 
         # 1. decodes, one token each, best class first
         interactive_decoding = False
@@ -249,7 +252,10 @@ class Scheduler:
         if target is None or not self.cost_model.ready:
             return None
         if target == "auto":
-            return self.config.auto_target_factor * self.cost_model.predict(decode_features)
+            # priced as an eager forward: any step that carries prefill runs eager, so a target
+            # under that (the fused decode-only step's) would admit no prefill at all
+            eager = dataclasses.replace(decode_features, force_eager=True)
+            return self.config.auto_target_factor * self.cost_model.predict(eager)
         return float(target)
 
     def _chunk_features(self, req: Request, start: int, n: int) -> StepFeatures:

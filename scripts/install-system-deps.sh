@@ -11,6 +11,7 @@
 #   gstreamer1.0-plugins-bad/-ugly    h264parse, x264enc (H.264 over RTSP)
 #   gstreamer1.0-libav                extra decoders (mp4/h264 sources)
 #   gstreamer1.0-tools                gst-launch-1.0 / gst-inspect-1.0, for debugging
+#   g++                               compiles engine/kernels (the fused CPU decode step)
 #
 # Idempotent: when every package is already installed it does nothing (no apt-get update).
 set -euo pipefail
@@ -27,6 +28,7 @@ PACKAGES=(
   gstreamer1.0-plugins-ugly
   gstreamer1.0-libav
   gstreamer1.0-tools
+  g++
 )
 
 missing=()

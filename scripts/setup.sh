@@ -23,4 +23,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   pip install -q -e '.[dev]'
   touch "$stamp"
 fi
+# the fused CPU decode kernel: built once per machine (~30 s), cached under ~/.cache
+python -m engine.kernels
 echo "setup: ok ($(python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))" >&2

@@ -123,6 +123,9 @@ class Qwen2VLModel(nn.Module):
         # attention); "hf": the transformers module's own forward, kept for parity tests
         self.vision_impl = "engine"
         self._vision_tower: VisionTower | None = None
+        # copies of the decoder weights on huge pages for the fused CPU decode kernel
+        # (engine.kernels); None where that kernel is off or cannot run
+        self.decode_kernel_weights_hp: list[torch.Tensor] | None = None
 
     # ---- forward pieces -------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -140,6 +143,24 @@ class Qwen2VLModel(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, meta)
         return self.norm(hidden)
+
+    def decode_kernel_weights(self) -> list[torch.Tensor]:
+        """Plain decoder weights in the fused decode kernel's order: per layer input norm,
+        qkv weight and bias, o_proj, post-attention norm, gate_up, down; then the final norm
+        and lm_head. Taken before the linears are packed for oneDNN (packing drops them)."""
+        out: list[torch.Tensor] = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            out += [
+                layer.input_layernorm.weight,
+                attn.qkv_proj.weight,
+                attn.qkv_proj.bias,
+                attn.o_proj.weight,
+                layer.post_attention_layernorm.weight,
+                mlp.gate_up_proj.weight,
+                mlp.down_proj.weight,
+            ]
+        return [t.detach() for t in [*out, self.norm.weight, self.lm_head.weight]]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

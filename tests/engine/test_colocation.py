@@ -276,6 +276,33 @@ def test_cost_model_learns_that_a_few_rows_ride_along_for_free():
         assert model.predict(probe) == pytest.approx(truth(probe), rel=0.1)
 
 
+def test_cost_model_learns_the_eager_forward_premium():
+    """With the fused decode kernel, decode-only steps of <= 8 rows skip the eager path's
+    per-op overhead; steps with prefill pay it. The fit must price that jump, not smear it
+    over the per-token rates."""
+    f = StepFeatures(decode_tokens=4, fused_decode_rows=8)
+    assert not f.eager_forward
+    assert f.plus(StepFeatures(prefill_tokens=2)).eager_forward
+    assert StepFeatures(decode_tokens=9, fused_decode_rows=8).eager_forward
+    assert StepFeatures(decode_tokens=4, fused_decode_rows=8, force_eager=True).eager_forward
+    assert not StepFeatures(prefill_tokens=5).eager_forward  # no kernel: no premium
+
+    def truth(f: StepFeatures) -> float:
+        return (
+            0.006 + 0.0002 * f.decode_tokens + 0.0001 * f.prefill_tokens + 0.007 * (f.eager_forward)
+        )
+
+    model = StepCostModel(refit_every=1)
+    samples = [StepFeatures(decode_tokens=d, fused_decode_rows=8) for d in range(1, 9)]
+    samples += [
+        StepFeatures(decode_tokens=4, prefill_tokens=p, fused_decode_rows=8) for p in (2, 8, 32)
+    ]
+    samples += [StepFeatures(decode_tokens=d, fused_decode_rows=8) for d in (12, 16)]
+    for f in samples * 2:
+        model.observe(f, truth(f))
+    assert model.coefficients()["eager_forward"] == pytest.approx(0.007, rel=1e-3)
+
+
 def test_an_itl_target_starts_from_a_calibrated_cost_model(tiny_qwen2_vl):
     """The profile run leaves a fitted model, an empty KV pool and no trace in the stats."""
     llm, eng = _engine(tiny_qwen2_vl, target_itl_ms="auto")

@@ -128,7 +128,9 @@ def test_result_before_done_is_an_error(loaded, tiny_qwen2_vl):
 
 
 def test_bf16_is_as_close_to_fp32_as_the_transformers_tower(checkpoint_factory, tiny_checkpoint):
-    model, hf_config, arch = load_model(tiny_checkpoint, torch.bfloat16, torch.device("cpu"))
+    model, hf_config, arch = load_model(
+        tiny_checkpoint, torch.bfloat16, torch.device("cpu"), cpu_fused_decode=False
+    )
     ref_model = load_model(tiny_checkpoint, torch.float32, torch.device("cpu"))[0]
     pixels, grid = _inputs(model, TWO_IMAGES)
     ref = torch.cat(_hf_tower(ref_model, pixels, grid))
@@ -146,7 +148,9 @@ def test_bf16_is_as_close_to_fp32_as_the_transformers_tower(checkpoint_factory, 
 def test_bf16_matmul_attention_matches_the_fused_kernel(tiny_checkpoint, max_rows):
     """The CPU bf16 path (two bmm per 64 query rows over head-major k/v) against SDPA, on an
     image of 240 patches so the row loop and the per-block k/v copy both come into play."""
-    model, hf_config, arch = load_model(tiny_checkpoint, torch.bfloat16, torch.device("cpu"))
+    model, hf_config, arch = load_model(
+        tiny_checkpoint, torch.bfloat16, torch.device("cpu"), cpu_fused_decode=False
+    )
     tower = VisionTower(model.visual, hf_config.vision_config, arch, max_rows)
     pixels, grid = _inputs(model, [[1, 12, 20], [1, 4, 6]], seed=3)
 

@@ -1,0 +1,60 @@
+"""Native CPU kernels, compiled on first use with the machine's C++ compiler.
+
+The fused decode step (``cpu_decode.cpp``) is optional: without a compiler, on a CPU without
+AVX512-BF16, or when the build fails, :func:`load_cpu_decode` returns ``None`` and the engine
+runs its eager PyTorch path, which gives the same tokens up to bf16 rounding. The build is
+cached by PyTorch under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) and
+reused until the source changes; ``python -m engine.kernels`` builds it ahead of time.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger("engine.kernels")
+
+_SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+DISABLE_ENV = "VISION_SERVE_DISABLE_CPU_KERNELS"
+
+
+def cpu_supports_avx512_bf16() -> bool:
+    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    try:
+        return bool(probe and probe())
+    except Exception:
+        return False
+
+
+@functools.cache
+def load_cpu_decode() -> ModuleType | None:
+    """The compiled fused-decode module, or ``None`` where it cannot run (reason logged)."""
+    if os.environ.get(DISABLE_ENV, "").lower() in ("1", "true", "yes"):
+        log.info("cpu kernels disabled by %s", DISABLE_ENV)
+        return None
+    if not cpu_supports_avx512_bf16():
+        log.info("cpu kernels skipped: this CPU has no AVX512-BF16")
+        return None
+    from torch.utils.cpp_extension import load
+
+    t0 = time.perf_counter()
+    try:
+        module = load(
+            name="vision_serve_cpu_decode",
+            sources=[str(_SOURCE)],
+            extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:
+        log.warning("cpu kernels unavailable, using the eager path: %s", exc)
+        return None
+    log.info("cpu kernels ready in %.1f s", time.perf_counter() - t0)
+    return module

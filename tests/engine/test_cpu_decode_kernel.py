@@ -1,0 +1,150 @@
+"""The fused bf16 CPU decode kernel (engine/kernels/cpu_decode.cpp) against the eager path.
+
+Two bf16 implementations round differently, so tokens are not compared one for one (a near-tie
+flips either way); the checks are that the kernel's logits are as close to the fp32 model's as
+the eager bf16 path's are, and that every confident choice is the same.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.kernels import load_cpu_decode
+from tests.engine.helpers import image_conv, noise_image, text_conv
+
+kernels = load_cpu_decode()
+pytestmark = pytest.mark.skipif(
+    kernels is None, reason="needs AVX512-BF16 and a C++ compiler (the engine falls back)"
+)
+
+
+@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize("k", [64, 200, 800])  # 200 and 800 leave a tail past the vector loop
+def test_small_matmul_matches_fp32(rows: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + k)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    w = torch.randn(97, k, generator=gen).bfloat16()
+    want = x.float() @ w.float().T
+    got = kernels.small_matmul(x, w).float()
+    # one bf16 rounding of the result, plus fp32 summation-order noise
+    torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-3 * k**0.5)
+
+
+def test_huge_page_copies_are_equal_and_independent() -> None:
+    a, b = torch.randn(3, 5).bfloat16(), torch.arange(7, dtype=torch.bfloat16)
+    ca, cb = kernels.copy_to_huge_pages([a, b])
+    assert torch.equal(ca, a) and torch.equal(cb, b)
+    a.zero_()
+    assert not torch.equal(ca, a)
+
+
+class _LogitsPairs:
+    """Runs each fused-eligible step both ways and keeps (fused, eager) logits."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.runner = llm.engine.runner
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._forward = self.runner._forward_and_sample
+        self._sample = self.runner._sample
+        self.runner._forward_and_sample = self._both
+
+    def _both(self, sched):
+        runner = self.runner
+        if not runner._fused_decode_applies(sched.chunks):
+            return self._forward(sched)
+        fused = runner._fused_decode_logits(sched.chunks)
+        seen: list[torch.Tensor] = []
+
+        def keep(logits, chunks):
+            seen.append(logits)
+            return self._sample(logits, chunks)
+
+        decoder, runner.fused_decoder, runner._sample = runner.fused_decoder, None, keep
+        try:
+            out = self._forward(sched)  # eager: rewrites the same cache slots, then samples
+        finally:
+            runner.fused_decoder = decoder
+            del runner._sample
+        self.pairs.append((fused, seen[0]))
+        return out
+
+
+def test_fused_decode_logits_match_eager(tiny_checkpoint) -> None:
+    """Decode steps of 1..8 requests (text and image prompts, several KV blocks each)."""
+    llm = LLM(model=str(tiny_checkpoint), dtype="bfloat16", block_size=4, max_num_seqs=8)
+    runner = llm.engine.runner
+    assert runner.fused_decoder is not None
+    pairs = _LogitsPairs(llm)
+    convs = [text_conv("hello " * (i + 1)) for i in range(5)]
+    convs += [image_conv(f"what is in picture {i}?", noise_image(56, 56, i)) for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm.chat(convs, params)
+    llm.chat(convs[:1], params)  # a single row as well
+    # long contexts: the kernel splits a row's keys across tasks and merges the partial softmaxes
+    llm.chat([text_conv("word " * 600), text_conv("other words " * 200)], params)
+    sizes = {fused.shape[0] for fused, _ in pairs.pairs}
+    assert 1 in sizes and 8 in sizes
+    for fused, eager in pairs.pairs:
+        scale = eager.abs().max().item()
+        diff = (fused - eager).abs()
+        assert diff.max().item() <= 0.06 * scale
+        top2 = eager.topk(2, dim=-1).values
+        confident = (top2[:, 0] - top2[:, 1]) > 2 * diff.max(dim=-1).values
+        assert torch.equal(fused.argmax(-1)[confident], eager.argmax(-1)[confident])
+
+
+def test_fused_decode_is_as_close_to_fp32_as_eager_bf16(tiny_qwen2_vl) -> None:
+    """The kernel's error against the fp32 model is the eager bf16 path's, not more."""
+    prompts = [text_conv("tell me about cats " * 3), text_conv("a b c")]
+    captured: dict[str, torch.Tensor] = {}
+    first_tokens: list[int] = []
+    for name, fused in (("fused", True), ("eager", False)):
+        llm = LLM(model=str(tiny_qwen2_vl), dtype="bfloat16", cpu_fused_decode=fused)
+        assert (llm.engine.runner.fused_decoder is not None) == fused
+        logs = _capture_sampled_logits(llm)
+        outs = llm.chat(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        captured[name] = logs[-1]  # the decode step after the prompts
+        first_tokens = [o.outputs[0].token_ids[0] for o in outs]
+    ref = LLM(model=str(tiny_qwen2_vl), dtype="float32")
+    logs = _capture_sampled_logits(ref)
+    outs = ref.chat(prompts, SamplingParams(temperature=0, max_tokens=1))
+    logs.clear()
+    ref.generate(
+        [
+            {"prompt_token_ids": [*o.prompt_token_ids, t]}
+            for o, t in zip(outs, first_tokens, strict=True)
+        ],
+        SamplingParams(temperature=0, max_tokens=1),
+    )
+    fp32 = logs[-1]
+    err_fused = (captured["fused"] - fp32).abs().mean().item()
+    err_eager = (captured["eager"] - fp32).abs().mean().item()
+    assert err_fused <= 1.5 * err_eager + 1e-3
+
+
+def test_disabled_kernel_falls_back(tiny_qwen2_vl) -> None:
+    llm = LLM(model=str(tiny_qwen2_vl), dtype="bfloat16", cpu_fused_decode=False)
+    assert llm.engine.runner.fused_decoder is None
+    out = llm.chat(text_conv("hi"), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert llm.engine.runner.fused_decode_steps == 0
+
+
+def test_fp32_never_uses_the_kernel(tiny_qwen2_vl) -> None:
+    llm = LLM(model=str(tiny_qwen2_vl), dtype="float32")
+    assert llm.engine.runner.fused_decoder is None
+
+
+def _capture_sampled_logits(llm: LLM) -> list[torch.Tensor]:
+    runner = llm.engine.runner
+    logs: list[torch.Tensor] = []
+    sample = runner._sample
+
+    def keep(logits, chunks):
+        logs.append(logits.clone())
+        return sample(logits, chunks)
+
+    runner._sample = keep
+    return logs
