@@ -57,38 +57,47 @@ class ModelRunner:
             for _ in range(model.num_layers)
         ]
         self.encoder_outputs: dict[str, torch.Tensor] = {}
+        self._fused_rows = 0
         self.fused_decoder = self._build_fused_decoder()
         self.fused_decode_steps = 0
 
-    # steps of at most this many decodes go through the fused kernel: past it, oneDNN's
-    # blocked matmuls reuse each weight read better than a row-wise dot product (measured)
-    FUSED_DECODE_MAX_ROWS = 8
+    # decode-only steps of up to this many rows run the fused kernel: its dot-product GEMV up
+    # to GEMV_MAX_ROWS rows, oneDNN's packed GEMM (called from the kernel) past that; without
+    # packed weights the kernel stops at 8 rows
+    FUSED_DECODE_MAX_ROWS = 256
+    GEMV_MAX_ROWS = 4
 
     @property
     def fused_decode_rows(self) -> int:
         """Most decodes a step may hold and still run the fused kernel (0: no kernel)."""
-        return self.FUSED_DECODE_MAX_ROWS if self.fused_decoder is not None else 0
+        return self._fused_rows if self.fused_decoder is not None else 0
 
     def _build_fused_decoder(self):
         weights = getattr(self.model, "decode_kernel_weights_hp", None)
         kernels = load_cpu_decode() if weights is not None else None
         if kernels is None:
             return None
+        packed = self.model.packed_decoder_weights()  # None when oneDNN packing is off
         per_layer = 7
-        layers = [
-            [*weights[per_layer * i : per_layer * (i + 1)], k_cache, v_cache]
-            for i, (k_cache, v_cache) in enumerate(self.kv_caches)
-        ]
+        layers = []
+        for i, (k_cache, v_cache) in enumerate(self.kv_caches):
+            layer = [*weights[per_layer * i : per_layer * (i + 1)], k_cache, v_cache]
+            if packed is not None:
+                layer += packed[4 * i : 4 * (i + 1)]
+            layers.append(layer)
+        self._fused_rows = self.FUSED_DECODE_MAX_ROWS if packed is not None else 8
         text = self.model.text_config
         try:
             return kernels.FusedDecoder(
                 layers,
                 weights[-2],
                 weights[-1],
+                None if packed is None else packed[-1],
                 text.num_attention_heads,
                 self.model.num_kv_heads,
                 self.model.head_dim,
                 float(text.rms_norm_eps),
+                self.GEMV_MAX_ROWS,
             )
         except RuntimeError as exc:  # a shape the kernel does not take: eager decode
             log.warning("fused CPU decode off for this model: %s", exc)
@@ -174,7 +183,7 @@ class ModelRunner:
     def _fused_decode_applies(self, chunks: list[ScheduledChunk]) -> bool:
         return (
             self.fused_decoder is not None
-            and len(chunks) <= self.FUSED_DECODE_MAX_ROWS
+            and len(chunks) <= self._fused_rows
             and all(c.is_decode and c.num_tokens == 1 and c.sample for c in chunks)
         )
 

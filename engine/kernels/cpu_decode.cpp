@@ -12,6 +12,7 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <immintrin.h>
 
 #include <sys/mman.h>
@@ -170,17 +171,41 @@ void rms_norm(const bf16* x, const bf16* weight, bf16* out, int64_t H, float eps
   for (int64_t i = 0; i < H; ++i) out[i] = bf16(f32(weight[i]) * f32(bf16(f32(x[i]) * r)));
 }
 
+// oneDNN's matmul on a weight PyTorch prepacked (torch.ops.mkldnn._reorder_linear_weight), the
+// kernel the eager path uses: past a few rows a step is compute-bound and oneDNN's blocked
+// GEMM (AMX where the CPU has it) beats a row-wise dot product. Called through the dispatcher,
+// boxed, so no Python sits between it and the rest of the step.
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.emplace_back(x);
+  stack.emplace_back(packed);
+  stack.emplace_back(c10::IValue());  // bias: added by the epilogue, as on the GEMV path
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(c10::IValue());
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 struct LayerWeights {
   at::Tensor ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w, k_cache, v_cache;
+  at::Tensor qkv_p, o_p, gate_up_p, down_p;  // oneDNN-packed copies, or undefined
 };
 
 class FusedDecoder {
  public:
+  // layers: per layer [ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w, k_cache, v_cache] and,
+  // optionally, oneDNN-packed [qkv, o, gate_up, down] (then lm_head_packed too): steps of more
+  // than gemv_max_rows rows use those; without them the decoder takes at most 8 rows.
   FusedDecoder(std::vector<std::vector<at::Tensor>> layers, at::Tensor final_norm,
-               at::Tensor lm_head, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-               double eps)
+               at::Tensor lm_head, std::optional<at::Tensor> lm_head_packed, int64_t num_heads,
+               int64_t num_kv_heads, int64_t head_dim, double eps, int64_t gemv_max_rows)
       : final_norm_(final_norm.contiguous()),
         lm_head_(lm_head.contiguous()),
+        lm_head_p_(lm_head_packed.value_or(at::Tensor())),
+        gemv_max_rows_(std::min<int64_t>(gemv_max_rows, 8)),
         num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
         head_dim_(head_dim),
@@ -190,11 +215,16 @@ class FusedDecoder {
     // weights are expected on huge pages already (copy_to_huge_pages); caches are the
     // engine's own tensors, written in place
     for (auto& t : layers) {
-      TORCH_CHECK(t.size() == 9, "each layer needs 9 tensors");
-      for (auto& x : t) TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-                                    "fused decode needs contiguous bf16 tensors");
-      layers_.push_back({t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8]});
+      TORCH_CHECK(t.size() == 9 || t.size() == 13, "each layer needs 9 or 13 tensors");
+      for (size_t i = 0; i < 9; ++i)
+        TORCH_CHECK(t[i].scalar_type() == at::kBFloat16 && t[i].is_contiguous(),
+                    "fused decode needs contiguous bf16 tensors");
+      LayerWeights w{t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8]};
+      if (t.size() == 13) w.qkv_p = t[9], w.o_p = t[10], w.gate_up_p = t[11], w.down_p = t[12];
+      layers_.push_back(w);
     }
+    packed_ = lm_head_p_.defined();
+    for (auto& w : layers_) TORCH_CHECK(w.qkv_p.defined() == packed_, "packed weights: all or none");
     TORCH_CHECK(!layers_.empty(), "no layers");
     hidden_ = lm_head_.size(1);
     qkv_size_ = (num_heads + 2 * num_kv_heads) * head_dim;
@@ -209,7 +239,7 @@ class FusedDecoder {
                      const at::Tensor& block_tables, const at::Tensor& context_lens,
                      int64_t block_size) {
     const int M = static_cast<int>(embeds.size(0));
-    TORCH_CHECK(M >= 1 && M <= 8, "fused decode takes 1..8 rows");
+    TORCH_CHECK(M >= 1 && (M <= 8 || packed_), "without packed weights, 1..8 rows");
     const int64_t H = hidden_, D = head_dim_, I = intermediate_;
     const int64_t q_size = num_heads_ * D, kv_size = num_kv_heads_ * D;
     at::Tensor x_t = embeds.to(at::kBFloat16).contiguous().clone();
@@ -218,7 +248,7 @@ class FusedDecoder {
     at::Tensor tables = block_tables.to(at::kLong).contiguous();
     at::Tensor lens = context_lens.to(at::kLong).contiguous();
     auto opts = embeds.options().dtype(at::kBFloat16);
-    at::Tensor h_t = at::empty({M, std::max(H, I)}, opts);
+    at::Tensor h_t = at::empty({M, H}, opts);
     at::Tensor qkv_t = at::empty({M, qkv_size_}, opts);
     at::Tensor attn_t = at::empty({M, q_size}, opts);
     bf16* x = x_t.data_ptr<bf16>();
@@ -237,53 +267,62 @@ class FusedDecoder {
       new_slot[m] = tab[m * max_blocks + pos / block_size] * block_size + pos % block_size;
     }
 
-    for (const LayerWeights& L : layers_) {
+    auto norm_rows = [&](const bf16* weight) {
+      at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
+        for (int64_t m = m0; m < m1; ++m) rms_norm(x + m * H, weight, h + m * H, H, eps_);
+      });
+    };
+    auto add_to_residual = [&](int64_t n0, int64_t n1, const float* acc) {
       for (int m = 0; m < M; ++m)
-        rms_norm(x + m * H, L.ln1.data_ptr<bf16>(), h + m * H, H, eps_);
+        for (int64_t n = n0; n < n1; ++n)
+          x[m * H + n] = bf16(f32(x[m * H + n]) + f32(bf16(acc[m * (n1 - n0) + n - n0])));
+    };
+    at::Tensor act_t = at::empty({M, I}, opts);
+    bf16* act = act_t.data_ptr<bf16>();
+
+    for (const LayerWeights& L : layers_) {
+      norm_rows(L.ln1.data_ptr<bf16>());
       const bf16* bias = L.qkv_b.data_ptr<bf16>();
-      matvec(M, h, L.qkv_w, qkv_size_, [&](int64_t n0, int64_t n1, const float* acc) {
+      linear(M, h_t, L.qkv_w, L.qkv_p, qkv_size_, [&](int64_t n0, int64_t n1, const float* acc) {
         for (int m = 0; m < M; ++m)
           for (int64_t n = n0; n < n1; ++n)
             qkv[m * qkv_size_ + n] = bf16(acc[m * (n1 - n0) + n - n0] + f32(bias[n]));
       });
       rotary_and_store(M, qkv, cos_t.data_ptr<bf16>(), sin_t.data_ptr<bf16>(), L, new_slot);
       attention(M, qkv, attn, L, tab, len, max_blocks, block_size);
-      matvec(M, attn, L.o_w, H, [&](int64_t n0, int64_t n1, const float* acc) {
-        for (int m = 0; m < M; ++m)
-          for (int64_t n = n0; n < n1; ++n)
-            x[m * H + n] = bf16(f32(x[m * H + n]) + f32(bf16(acc[m * (n1 - n0) + n - n0])));
-      });
-      for (int m = 0; m < M; ++m)
-        rms_norm(x + m * H, L.ln2.data_ptr<bf16>(), h + m * H, H, eps_);
-      // gate rows [0, I) and up rows [I, 2I) of the same range in one task, so the
-      // activation is applied as soon as both halves are there
-      const bf16* gu = L.gate_up_w.data_ptr<bf16>();
-      at::Tensor act_t = at::empty({M, I}, opts);
-      bf16* act = act_t.data_ptr<bf16>();
-      at::parallel_for(0, I, kGrain, [&](int64_t n0, int64_t n1) {
-        const int64_t n = n1 - n0;
-        std::vector<float> g(static_cast<size_t>(M) * n), u(static_cast<size_t>(M) * n);
-        dot_rows_any(M, h, gu, H, n0, n1, g.data(), n);
-        dot_rows_any(M, h, gu, H, I + n0, I + n1, u.data(), n);
-        for (int m = 0; m < M; ++m)
-          for (int64_t i = 0; i < n; ++i) {
-            const float gate = f32(bf16(g[m * n + i]));
-            const float silu = f32(bf16(gate / (1.0f + std::exp(-gate))));
-            act[m * I + n0 + i] = bf16(silu * f32(bf16(u[m * n + i])));
+      linear(M, attn_t, L.o_w, L.o_p, H, add_to_residual);
+      norm_rows(L.ln2.data_ptr<bf16>());
+      if (M <= gemv_max_rows_ || !packed_) {
+        // gate rows [0, I) and up rows [I, 2I) of the same range in one task, so the
+        // activation is applied as soon as both halves are there
+        const bf16* gu = L.gate_up_w.data_ptr<bf16>();
+        at::parallel_for(0, I, kGrain, [&](int64_t n0, int64_t n1) {
+          const int64_t n = n1 - n0;
+          std::vector<float> g(static_cast<size_t>(M) * n), u(static_cast<size_t>(M) * n);
+          dot_rows_any(M, h, gu, H, n0, n1, g.data(), n);
+          dot_rows_any(M, h, gu, H, I + n0, I + n1, u.data(), n);
+          for (int m = 0; m < M; ++m)
+            for (int64_t i = 0; i < n; ++i)
+              act[m * I + n0 + i] = silu_mul(g[m * n + i], u[m * n + i]);
+        });
+      } else {
+        const at::Tensor gu = onednn_linear(h_t, L.gate_up_p);
+        const bf16* g = gu.data_ptr<bf16>();
+        at::parallel_for(0, M * I, 4096, [&](int64_t i0, int64_t i1) {
+          for (int64_t i = i0; i < i1; ++i) {
+            const int64_t m = i / I, j = i % I;
+            act[i] = silu_mul(f32(g[m * 2 * I + j]), f32(g[m * 2 * I + I + j]));
           }
-      });
-      matvec(M, act, L.down_w, H, [&](int64_t n0, int64_t n1, const float* acc) {
-        for (int m = 0; m < M; ++m)
-          for (int64_t n = n0; n < n1; ++n)
-            x[m * H + n] = bf16(f32(x[m * H + n]) + f32(bf16(acc[m * (n1 - n0) + n - n0])));
-      });
+        });
+      }
+      linear(M, act_t, L.down_w, L.down_p, H, add_to_residual);
     }
 
-    for (int m = 0; m < M; ++m) rms_norm(x + m * H, final_norm_.data_ptr<bf16>(), h + m * H, H, eps_);
+    norm_rows(final_norm_.data_ptr<bf16>());
     const int64_t V = lm_head_.size(0);
     at::Tensor logits = at::empty({M, V}, embeds.options().dtype(at::kFloat));
     float* out = logits.data_ptr<float>();
-    matvec(M, h, lm_head_, V, [&](int64_t n0, int64_t n1, const float* acc) {
+    linear(M, h_t, lm_head_, lm_head_p_, V, [&](int64_t n0, int64_t n1, const float* acc) {
       for (int m = 0; m < M; ++m)
         for (int64_t n = n0; n < n1; ++n) out[m * V + n] = f32(bf16(acc[m * (n1 - n0) + n - n0]));
     });
@@ -291,6 +330,34 @@ class FusedDecoder {
   }
 
  private:
+  // silu(gate) * up with eager bf16's roundings (each op's result rounded)
+  static bf16 silu_mul(float gate_acc, float up_acc) {
+    const float gate = f32(bf16(gate_acc));
+    const float silu = f32(bf16(gate / (1.0f + std::exp(-gate))));
+    return bf16(silu * f32(bf16(up_acc)));
+  }
+
+  // y = x[:, :K] @ w.T, handed to ``epilogue(n0, n1, acc)`` ([M, n1 - n0] fp32) per column
+  // range: the dot-product kernel for a few rows, oneDNN's packed GEMM past that
+  template <typename Epilogue>
+  void linear(int M, const at::Tensor& x, const at::Tensor& w, const at::Tensor& packed,
+              int64_t N, Epilogue epilogue) const {
+    const int64_t K = w.size(1);
+    TORCH_CHECK(x.size(1) == K && x.is_contiguous(), "linear input shape");
+    if (M <= gemv_max_rows_ || !packed.defined()) {
+      matvec(M, x.data_ptr<bf16>(), w, N, epilogue);
+      return;
+    }
+    const at::Tensor y = onednn_linear(x, packed);
+    const bf16* yp = y.data_ptr<bf16>();
+    at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) {
+      std::vector<float> acc(static_cast<size_t>(M) * (n1 - n0));
+      for (int m = 0; m < M; ++m)
+        for (int64_t n = n0; n < n1; ++n) acc[m * (n1 - n0) + n - n0] = f32(yp[m * N + n]);
+      epilogue(n0, n1, acc.data());
+    });
+  }
+
   // rotate-half RoPE on q and k (cos/sin already carry the M-RoPE band selection), then the
   // new k and v go to their cache slots
   void rotary_and_store(int M, bf16* qkv, const bf16* cos, const bf16* sin, const LayerWeights& L,
@@ -298,8 +365,9 @@ class FusedDecoder {
     const int64_t D = head_dim_, half = D / 2, kv_size = num_kv_heads_ * D;
     bf16* kc = L.k_cache.data_ptr<bf16>();
     bf16* vc = L.v_cache.data_ptr<bf16>();
+    at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
     std::vector<bf16> tmp(D);
-    for (int m = 0; m < M; ++m) {
+    for (int64_t m = m0; m < m1; ++m) {
       bf16* row = qkv + m * qkv_size_;
       const bf16* c = cos + m * D;
       const bf16* s = sin + m * D;
@@ -315,6 +383,7 @@ class FusedDecoder {
       std::memcpy(kc + slot[m] * kv_size, k, kv_size * sizeof(bf16));
       std::memcpy(vc + slot[m] * kv_size, k + kv_size, kv_size * sizeof(bf16));
     }
+    });
   }
 
   // Split-K decode attention ("flash-decoding"): a task is one row's keys [i0, i1) for all
@@ -405,17 +474,20 @@ class FusedDecoder {
           for (int64_t j = 0; j < nd; ++j) o[h * nd + j] = _mm512_setzero_ps();
         }
         // weighted values: each slot's values for every head in one pass
+        std::vector<__m512> p(G);
         for (int64_t j = 0; j < n; ++j) {
           const bf16* v = vc + slots[j] * kv_size;
-          for (int64_t kvh = 0; kvh < KVH; ++kvh)
+          for (int64_t kvh = 0; kvh < KVH; ++kvh) {
+            for (int64_t g = 0; g < G; ++g)
+              p[g] = _mm512_set1_ps(scores[(kvh * G + g) * padded + j]);
             for (int64_t d = 0; d < nd; ++d) {
               const __m512 vv = load16(v + kvh * D + 16 * d);
               for (int64_t g = 0; g < G; ++g) {
-                const int64_t h = kvh * G + g;
-                o[h * nd + d] =
-                    _mm512_fmadd_ps(_mm512_set1_ps(scores[h * padded + j]), vv, o[h * nd + d]);
+                __m512& acc = o[(kvh * G + g) * nd + d];
+                acc = _mm512_fmadd_ps(p[g], vv, acc);
               }
             }
+          }
         }
         for (int64_t h = 0; h < H; ++h)
           for (int64_t d = 0; d < nd; ++d)
@@ -443,7 +515,9 @@ class FusedDecoder {
   }
 
   std::vector<LayerWeights> layers_;
-  at::Tensor final_norm_, lm_head_;
+  at::Tensor final_norm_, lm_head_, lm_head_p_;
+  int64_t gemv_max_rows_;
+  bool packed_ = false;
   int64_t num_heads_, num_kv_heads_, head_dim_, hidden_ = 0, qkv_size_ = 0, intermediate_ = 0;
   float eps_;
 };
@@ -468,8 +542,8 @@ at::Tensor small_matmul(const at::Tensor& x, const at::Tensor& w) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<FusedDecoder>(m, "FusedDecoder")
-      .def(pybind11::init<std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor, int64_t,
-                          int64_t, int64_t, double>())
+      .def(pybind11::init<std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor,
+                          std::optional<at::Tensor>, int64_t, int64_t, int64_t, double, int64_t>())
       .def("forward", &FusedDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("small_matmul", &small_matmul);
   m.def("copy_to_huge_pages", &copy_to_huge_pages);

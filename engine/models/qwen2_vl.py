@@ -162,6 +162,19 @@ class Qwen2VLModel(nn.Module):
             ]
         return [t.detach() for t in [*out, self.norm.weight, self.lm_head.weight]]
 
+    def packed_decoder_weights(self) -> list[torch.Tensor] | None:
+        """oneDNN-packed qkv, o, gate_up, down per layer, then lm_head; None if not packed."""
+        from engine.layers.linear import PackedLinear
+
+        mods = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            mods += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        mods.append(self.lm_head)
+        if not all(isinstance(m, PackedLinear) for m in mods):
+            return None
+        return [m.packed for m in mods]
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
