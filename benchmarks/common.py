@@ -57,10 +57,10 @@ def checkpoint_args(ap, dtype: str = "bfloat16") -> None:
     ap.add_argument("--family", default="qwen2_vl")
     ap.add_argument("--dtype", default=dtype)
     ap.add_argument(
-        "--cpu-fused-decode",
+        "--cpu-kernels",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="decode-only steps through engine/kernels (off: the eager PyTorch path)",
+        help="engine/kernels: native decode step and attention (off: eager PyTorch only)",
     )
 
 

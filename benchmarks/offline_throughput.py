@@ -78,7 +78,7 @@ def ours(args, model_dir, frames):
         dtype=args.dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.num_requests,
-        cpu_fused_decode=args.cpu_fused_decode,
+        cpu_kernels=args.cpu_kernels,
     )
     eng = llm.engine
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)

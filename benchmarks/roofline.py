@@ -5,7 +5,7 @@ prefill FLOP/s on a ~1,000-token prompt (2 x decoder params x tokens + causal at
 its decode bytes/s at batch 1, 8 and 16 (weights + KV read per step; up to 8 rows run the fused
 kernel, see engine/kernels). Prints the ratios.
 
-    python -m benchmarks.roofline [--model DIR] [--prompt-tokens 1000] [--no-cpu-fused-decode]
+    python -m benchmarks.roofline [--model DIR] [--prompt-tokens 1000] [--no-cpu-kernels]
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def main() -> None:
         dtype=args.dtype,
         enable_prefix_caching=False,
         max_num_batched_tokens=8192,
-        cpu_fused_decode=args.cpu_fused_decode,
+        cpu_kernels=args.cpu_kernels,
     )
     eng = llm.engine
     cfg = eng.hf_config.text_config

@@ -66,9 +66,7 @@ def bench_dtype(model_dir, dtype: torch.dtype, pixels, grid, args) -> dict:
     from engine.models import load_model
     from engine.models.vision_encoder import VisionTower
 
-    model, hf_config, arch = load_model(
-        model_dir, dtype, torch.device("cpu"), cpu_fused_decode=False
-    )
+    model, hf_config, arch = load_model(model_dir, dtype, torch.device("cpu"), cpu_kernels=False)
     tower = VisionTower(model.visual, hf_config.vision_config, arch)
     split = VisionTower(model.visual, hf_config.vision_config, arch, args.max_rows)
     pixels = pixels.to(dtype)

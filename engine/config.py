@@ -43,7 +43,7 @@ class EngineArgs:
     num_threads: int | None = None  # torch intra-op threads on CPU (None: torch default)
     max_queue_len: int = 0  # 0: unbounded waiting queue
     preprocess_workers: int = 2
-    cpu_fused_decode: bool = True  # bf16 CPU decode steps through engine/kernels
+    cpu_kernels: bool = True  # bf16 CPU: native decode step and prefill attention (engine/kernels)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -94,8 +94,8 @@ HELP = {
     "num_threads": "torch CPU threads (default: torch's choice)",
     "max_queue_len": "waiting requests before new ones are refused (0: unbounded)",
     "preprocess_workers": "threads decoding and preprocessing images off the step loop",
-    "cpu_fused_decode": "bf16 CPU: decode-only steps of <= 8 requests run as one native kernel "
-    "(built on first use; falls back to PyTorch where it cannot)",
+    "cpu_kernels": "bf16 CPU: decode-only steps as one native call, prefill and vision attention "
+    "in a native flash kernel (built on first use; PyTorch where they cannot run)",
 }
 
 

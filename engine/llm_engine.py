@@ -44,7 +44,7 @@ class LLMEngine:
         self.model_dir = Path(args.model)
         self.model_name = self.model_dir.name
         self.model, self.hf_config, self.architecture = load_model(
-            self.model_dir, self.dtype, self.device, cpu_fused_decode=args.cpu_fused_decode
+            self.model_dir, self.dtype, self.device, cpu_kernels=args.cpu_kernels
         )
         self.processor = InputProcessor(self.model_dir, self.hf_config)
         self.tokenizer = self.processor.tokenizer

@@ -1,6 +1,7 @@
 """Native CPU kernels, compiled on first use with the machine's C++ compiler.
 
-The fused decode step (``cpu_decode.cpp``) is optional: without a compiler, on a CPU without
+The fused decode step (``cpu_decode.cpp``) and the fused prefill attention
+(``cpu_attention.cpp``) are optional: without a compiler, on a CPU without
 AVX512-BF16, or when the build fails, :func:`load_cpu_decode` returns ``None`` and the engine
 runs its eager PyTorch path, which gives the same tokens up to bf16 rounding. The build is
 cached by PyTorch under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) and
@@ -20,7 +21,7 @@ import torch
 
 log = logging.getLogger("engine.kernels")
 
-_SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.cpp", "cpu_attention.cpp")]
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
 DISABLE_ENV = "VISION_SERVE_DISABLE_CPU_KERNELS"
 
@@ -48,7 +49,7 @@ def load_cpu_decode() -> ModuleType | None:
     try:
         module = load(
             name="vision_serve_cpu_decode",
-            sources=[str(_SOURCE)],
+            sources=[str(p) for p in _SOURCES],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
             verbose=False,

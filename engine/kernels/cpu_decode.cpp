@@ -540,6 +540,13 @@ at::Tensor small_matmul(const at::Tensor& x, const at::Tensor& w) {
 
 }  // namespace
 
+// cpu_attention.cpp
+at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           double scale, bool causal);
+std::vector<at::Tensor> pack_kv(const at::Tensor& k, const at::Tensor& v);
+at::Tensor attend_packed(const at::Tensor& q, const std::vector<at::Tensor>& packed, double scale,
+                         bool causal);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<FusedDecoder>(m, "FusedDecoder")
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor,
@@ -547,4 +554,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &FusedDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("small_matmul", &small_matmul);
   m.def("copy_to_huge_pages", &copy_to_huge_pages);
+  m.def("flash_attention", &flash_attention, pybind11::arg("q"), pybind11::arg("k"),
+        pybind11::arg("v"), pybind11::arg("scale"), pybind11::arg("causal"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("pack_kv", &pack_kv, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("attend_packed", &attend_packed, pybind11::arg("q"), pybind11::arg("packed"),
+        pybind11::arg("scale"), pybind11::arg("causal"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -109,8 +109,12 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    kernels=None,
 ) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KVH, D]; caches: [slots, KVH, D]. Returns [T, H, D]."""
+    """q: [T, H, D]; k, v: [T, KVH, D]; caches: [slots, KVH, D]. Returns [T, H, D].
+
+    ``kernels`` (engine.kernels, bf16 CPU only): prefill chunks run its flash kernel, which
+    takes grouped KV heads and a causal offset directly."""
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
@@ -127,8 +131,18 @@ def paged_attention(
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
         out[:nd] = od.reshape(nd, num_heads, head_dim)
 
+    native = kernels is not None and q.dtype == torch.bfloat16 and q.device.type == "cpu"
     for chunk in meta.prefills:
         n = chunk.q_end - chunk.q_start
+        if native:  # keys: the cached prefix (if any), then the chunk's own
+            rows = slice(chunk.q_start, chunk.q_end)
+            kc, vc = k[rows], v[rows]
+            if chunk.context_slots is not None:
+                prefix = chunk.context_slots[: chunk.context_slots.shape[0] - n]
+                kc = torch.cat([k_cache[prefix], kc])
+                vc = torch.cat([v_cache[prefix], vc])
+            out[rows] = kernels.flash_attention(q[rows], kc, vc, scale, True)
+            continue
         if chunk.context_slots is None:
             qp = q[chunk.q_start : chunk.q_end].transpose(0, 1)  # [H, n, D]
             kp = k[chunk.q_start : chunk.q_end].transpose(0, 1)

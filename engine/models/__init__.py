@@ -52,7 +52,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     pack_cpu_weights: bool = True,
-    cpu_fused_decode: bool = True,
+    cpu_kernels: bool = True,
 ):
     """Build the model for ``model_dir``'s architecture and load its weights by tensor name."""
     from transformers import AutoConfig
@@ -74,13 +74,14 @@ def load_model(
     model.visual = visual
     model.load_weights(iter_safetensors(model_dir))
     model.eval()
-    if device.type == "cpu" and dtype == torch.bfloat16 and cpu_fused_decode:
+    if device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels:
         kernels = load_cpu_decode()
         if kernels is not None:  # before packing: the kernel reads plain row-major weights
             model.decode_kernel_weights_hp = kernels.copy_to_huge_pages(
                 model.decode_kernel_weights()
             )
-            log.info("fused CPU decode kernel on (weights copied to huge pages)")
+            model.set_cpu_kernels(kernels)
+            log.info("native CPU kernels on (decode weights copied to huge pages)")
     if device.type == "cpu" and pack_cpu_weights and cpu_packing_available(dtype):
         if model.tie_word_embeddings:  # the packed head must not alias the embedding table
             model.lm_head.weight = torch.nn.Parameter(model.embed_tokens.weight.detach().clone())

@@ -30,6 +30,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=True)
         self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
         self.scale = head_dim**-0.5
+        self.kernels = None  # engine.kernels module: native prefill attention (bf16 CPU)
 
     def forward(
         self,
@@ -44,7 +45,7 @@ class Attention(nn.Module):
         q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.kernels)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -126,6 +127,7 @@ class Qwen2VLModel(nn.Module):
         # copies of the decoder weights on huge pages for the fused CPU decode kernel
         # (engine.kernels); None where that kernel is off or cannot run
         self.decode_kernel_weights_hp: list[torch.Tensor] | None = None
+        self.cpu_kernels = None  # engine.kernels module where the native kernels run
 
     # ---- forward pieces -------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -143,6 +145,13 @@ class Qwen2VLModel(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, meta)
         return self.norm(hidden)
+
+    def set_cpu_kernels(self, kernels) -> None:
+        """Route bf16 CPU attention (prompt chunks, vision tower) through the native kernels."""
+        self.cpu_kernels = kernels
+        for layer in self.layers:
+            layer.self_attn.kernels = kernels
+        self._vision_tower = None  # rebuilt with the kernels on next use
 
     def decode_kernel_weights(self) -> list[torch.Tensor]:
         """Plain decoder weights in the fused decode kernel's order: per layer input norm,
@@ -182,7 +191,11 @@ class Qwen2VLModel(nn.Module):
         """Our resumable forward over ``self.visual``'s weights (built on first use)."""
         if self._vision_tower is None or self._vision_tower.max_rows_per_item != max_rows_per_item:
             self._vision_tower = VisionTower(
-                self.visual, self.vision_config, self.architecture, max_rows_per_item
+                self.visual,
+                self.vision_config,
+                self.architecture,
+                max_rows_per_item,
+                kernels=self.cpu_kernels,
             )
         return self._vision_tower
 

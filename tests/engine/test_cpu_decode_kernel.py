@@ -32,6 +32,77 @@ def test_small_matmul_matches_fp32(rows: int, k: int) -> None:
     torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-3 * k**0.5)
 
 
+def _attention_fp32(q, k, v, scale: float, causal: bool) -> torch.Tensor:
+    n, m, group = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
+    qf = q.float().transpose(0, 1)
+    kf = k.float().repeat_interleave(group, 1).transpose(0, 1)
+    vf = v.float().repeat_interleave(group, 1).transpose(0, 1)
+    scores = qf @ kf.transpose(1, 2) * scale
+    if causal:  # the queries are the last n of the m positions
+        visible = torch.arange(m)[None, :] <= (m - n + torch.arange(n))[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+    return (scores.softmax(-1) @ vf).transpose(0, 1)
+
+
+@pytest.mark.parametrize(
+    ("n", "m", "heads", "kv_heads", "head_dim", "causal"),
+    [
+        (5, 5, 2, 1, 16, True),  # tiny: one partial tile
+        (37, 100, 4, 2, 64, True),  # a late chunk: 63 cached keys before its own
+        (100, 100, 6, 6, 64, False),  # vision: full attention
+        (33, 77, 4, 4, 80, False),  # Qwen2-VL's vision head size
+        (130, 300, 12, 4, 128, True),  # several 64-key tiles, GQA, the LM head size
+        (1, 9, 3, 1, 32, True),
+    ],
+)
+def test_flash_attention_matches_fp32(n, m, heads, kv_heads, head_dim, causal) -> None:
+    gen = torch.Generator().manual_seed(n * m + head_dim)
+    q = torch.randn(n, heads, head_dim, generator=gen).bfloat16()
+    k = torch.randn(m, kv_heads, head_dim, generator=gen).bfloat16()
+    v = torch.randn(m, kv_heads, head_dim, generator=gen).bfloat16()
+    scale = head_dim**-0.5
+    want = _attention_fp32(q, k, v, scale, causal)
+    got = kernels.flash_attention(q, k, v, scale, causal).float()
+    # probabilities go through bf16 for p.v (as in GPU flash attention), the output is bf16
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-2)
+    packed = kernels.pack_kv(k, v)  # the split API: pack once, attend many query blocks
+    parts = [kernels.attend_packed(q[i : i + 16], packed, scale, False) for i in range(0, n, 16)]
+    if not causal:
+        assert torch.equal(torch.cat(parts), got.bfloat16())
+
+
+def test_flash_attention_rejects_bad_shapes() -> None:
+    q = torch.randn(4, 2, 64).bfloat16()
+    odd = torch.randn(4, 1, 24).bfloat16()
+    with pytest.raises(RuntimeError, match="head_dim"):
+        kernels.flash_attention(odd, odd, odd, 1.0, False)
+    with pytest.raises(RuntimeError, match="causal"):
+        kernels.flash_attention(q, q[:2], q[:2], 1.0, True)
+    with pytest.raises(RuntimeError, match="bf16"):
+        kernels.flash_attention(q.float(), q, q, 1.0, False)
+
+
+def test_native_prefill_attention_gives_the_same_tokens_chunked_or_not(tiny_checkpoint) -> None:
+    """bf16 with the kernels: prompt chunks attend to cached prefixes through the flash
+    kernel; chunk sizes change no greedy token beyond bf16 noise (compared on logits)."""
+    convs = [
+        image_conv("describe this picture in detail", noise_image(84, 56, 5)),
+        text_conv("count the words in this sentence " * 12),
+    ]
+    params = SamplingParams(temperature=0, max_tokens=1)
+    logits = {}
+    for budget in (16, 64, 4096):
+        llm = LLM(model=str(tiny_checkpoint), dtype="bfloat16", max_num_batched_tokens=budget)
+        assert llm.engine.model.cpu_kernels is not None
+        logs = _capture_sampled_logits(llm)
+        llm.chat(convs, params)
+        logits[budget] = torch.cat(logs)
+    for budget in (16, 64):
+        diff = (logits[budget] - logits[4096]).abs().max().item()
+        assert diff <= 0.05 * logits[4096].abs().max().item()
+        assert torch.equal(logits[budget].argmax(-1), logits[4096].argmax(-1))
+
+
 def test_huge_page_copies_are_equal_and_independent() -> None:
     a, b = torch.randn(3, 5).bfloat16(), torch.arange(7, dtype=torch.bfloat16)
     ca, cb = kernels.copy_to_huge_pages([a, b])
@@ -104,7 +175,7 @@ def test_fused_decode_is_as_close_to_fp32_as_eager_bf16(tiny_qwen2_vl) -> None:
     captured: dict[str, torch.Tensor] = {}
     first_tokens: list[int] = []
     for name, fused in (("fused", True), ("eager", False)):
-        llm = LLM(model=str(tiny_qwen2_vl), dtype="bfloat16", cpu_fused_decode=fused)
+        llm = LLM(model=str(tiny_qwen2_vl), dtype="bfloat16", cpu_kernels=fused)
         assert (llm.engine.runner.fused_decoder is not None) == fused
         logs = _capture_sampled_logits(llm)
         outs = llm.chat(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
@@ -128,7 +199,7 @@ def test_fused_decode_is_as_close_to_fp32_as_eager_bf16(tiny_qwen2_vl) -> None:
 
 
 def test_disabled_kernel_falls_back(tiny_qwen2_vl) -> None:
-    llm = LLM(model=str(tiny_qwen2_vl), dtype="bfloat16", cpu_fused_decode=False)
+    llm = LLM(model=str(tiny_qwen2_vl), dtype="bfloat16", cpu_kernels=False)
     assert llm.engine.runner.fused_decoder is None
     out = llm.chat(text_conv("hi"), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4

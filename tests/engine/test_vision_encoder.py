@@ -129,7 +129,7 @@ def test_result_before_done_is_an_error(loaded, tiny_qwen2_vl):
 
 def test_bf16_is_as_close_to_fp32_as_the_transformers_tower(checkpoint_factory, tiny_checkpoint):
     model, hf_config, arch = load_model(
-        tiny_checkpoint, torch.bfloat16, torch.device("cpu"), cpu_fused_decode=False
+        tiny_checkpoint, torch.bfloat16, torch.device("cpu"), cpu_kernels=False
     )
     ref_model = load_model(tiny_checkpoint, torch.float32, torch.device("cpu"))[0]
     pixels, grid = _inputs(model, TWO_IMAGES)
@@ -149,7 +149,7 @@ def test_bf16_matmul_attention_matches_the_fused_kernel(tiny_checkpoint, max_row
     """The CPU bf16 path (two bmm per 64 query rows over head-major k/v) against SDPA, on an
     image of 240 patches so the row loop and the per-block k/v copy both come into play."""
     model, hf_config, arch = load_model(
-        tiny_checkpoint, torch.bfloat16, torch.device("cpu"), cpu_fused_decode=False
+        tiny_checkpoint, torch.bfloat16, torch.device("cpu"), cpu_kernels=False
     )
     tower = VisionTower(model.visual, hf_config.vision_config, arch, max_rows)
     pixels, grid = _inputs(model, [[1, 12, 20], [1, 4, 6]], seed=3)
@@ -196,3 +196,38 @@ def test_engine_greedy_tokens_unchanged_by_our_tower(tiny_checkpoint):
         eos = llm.engine.eos_token_ids
     assert tokens["engine"] == tokens["hf"]
     assert tokens["engine"] == truncate_at_eos(hf_greedy(tiny_checkpoint, conv, 16), eos)
+
+
+@pytest.mark.parametrize("max_rows", [None, 37])
+def test_native_flash_attention_matches_the_fused_kernel(tiny_checkpoint, max_rows):
+    """engine/kernels' flash attention (bf16 CPU, packed k/v reused across work items and, for
+    Qwen2.5-VL, one call per window) against SDPA on the same tower."""
+    from engine.kernels import load_cpu_decode
+
+    kernels = load_cpu_decode()
+    if kernels is None:
+        pytest.skip("needs AVX512-BF16 and a C++ compiler")
+    model, hf_config, arch = load_model(
+        tiny_checkpoint, torch.bfloat16, torch.device("cpu"), cpu_kernels=False
+    )
+    pixels, grid = _inputs(model, [[1, 12, 20], [1, 4, 6]], seed=3)
+
+    def run(native: bool) -> torch.Tensor:
+        tower = VisionTower(
+            model.visual,
+            hf_config.vision_config,
+            arch,
+            max_rows,
+            kernels=kernels if native else None,
+        )
+        job = tower.job(pixels, grid)
+        assert job._native == native
+        job._matmul_attention = native  # off: SDPA, the reference
+        while not job.done():
+            job.advance(float("inf"))
+        return torch.cat(job.result()).float()
+
+    ours, fused = run(True), run(False)
+    cosine = torch.nn.functional.cosine_similarity(ours.flatten(), fused.flatten(), dim=0)
+    assert cosine > 0.9999
+    assert (ours - fused).abs().max() <= 0.02 * fused.abs().max()

@@ -1,0 +1,286 @@
+// Fused bf16 attention for prefill-sized inputs (vision tower, prompt chunks) on AVX512-BF16.
+//
+// Why: without AMX, PyTorch's CPU flash kernel runs bf16 at the fp32 rate, and the two-bmm
+// alternative spends ~40 % of its time writing, softmaxing and re-reading the score matrix.
+// Here scores live in registers: per 4 query rows and 64 keys, q.k^T and p.v are vdpbf16ps
+// over keys and values repacked into bf16 pairs once per call, with an online softmax in fp32
+// between them (probabilities rounded to bf16 for p.v, as GPU flash attention does).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using bf16 = at::BFloat16;
+
+inline __m512 exp16(__m512 x) {  // as in cpu_decode.cpp: inputs <= 0, ~2 ulp
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline uint32_t pair(const bf16* a, const bf16* b) {
+  uint16_t lo, hi;
+  std::memcpy(&lo, a, 2);
+  std::memcpy(&hi, b, 2);
+  return uint32_t(lo) | (uint32_t(hi) << 16);
+}
+
+// two adjacent bf16 values in every 32-bit lane, broadcast straight from memory (a load-port
+// operation, unlike a broadcast from a general register)
+inline __m512i broadcast_pair(const void* p) {
+  return _mm512_castps_si512(_mm512_broadcastss_ps(_mm_load_ss(static_cast<const float*>(p))));
+}
+
+constexpr int kTile = 64;    // keys per online-softmax update
+constexpr int kSub = kTile / 16;
+
+struct Problem {
+  const bf16* q;
+  bf16* out;
+  const uint32_t* kpk;
+  const uint32_t* vpk;
+  int64_t n, m, Hq, G, offset, m_pad;
+  float scale;
+  bool causal;
+};
+
+// scores[r][:] = q_r . k_j for the 64 keys of a tile (unscaled): R x 4 accumulators in
+// registers, one 64-byte key load feeding R vdpbf16ps. Out of line, with its own registers:
+// inlined into the tile loop, GCC kept writing the accumulators back to the stack every step.
+template <int R>
+__attribute__((noinline)) void qk_tile(const bf16* const* qrow, const uint32_t* kt,
+                                       int64_t dp_count, float (*scores)[kTile]) {
+  __m512 s[R][kSub];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < kSub; ++u) s[r][u] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < dp_count; ++p) {
+    __m512i qb[R];
+    for (int r = 0; r < R; ++r) qb[r] = broadcast_pair(qrow[r] + 2 * p);
+    for (int u = 0; u < kSub; ++u) {
+      const __m512i kv = _mm512_loadu_si512(kt + (u * dp_count + p) * 16);
+      for (int r = 0; r < R; ++r)
+        s[r][u] = _mm512_dpbf16_ps(s[r][u], (__m512bh)kv, (__m512bh)qb[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < kSub; ++u) _mm512_store_ps(scores[r] + 16 * u, s[r][u]);
+}
+
+// o[r] = o[r] * alpha[r] + p_r . V over the tile's key pairs (R x ND accumulators)
+template <int ND, int R>
+__attribute__((noinline)) void pv_tile(float* o, const float* alpha, const uint16_t (*probs)[kTile],
+                                       const uint32_t* vt, int64_t pairs) {
+  constexpr int64_t D = ND * 16;
+  __m512 acc[R][ND];
+  for (int r = 0; r < R; ++r)
+    for (int d = 0; d < ND; ++d)
+      acc[r][d] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + 16 * d), _mm512_set1_ps(alpha[r]));
+  for (int64_t i = 0; i < pairs; ++i) {
+    __m512i pb[R];
+    for (int r = 0; r < R; ++r) pb[r] = broadcast_pair(probs[r] + 2 * i);
+    for (int d = 0; d < ND; ++d) {
+      const __m512i vv = _mm512_loadu_si512(vt + i * D + 16 * d);
+      for (int r = 0; r < R; ++r)
+        acc[r][d] = _mm512_dpbf16_ps(acc[r][d], (__m512bh)vv, (__m512bh)pb[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int d = 0; d < ND; ++d) _mm512_storeu_ps(o + r * D + 16 * d, acc[r][d]);
+}
+
+// The blocked loop, compiled per head size (ND = D / 16) so the output accumulators stay in
+// registers: R = 4 query rows for D <= 64, 2 beyond (4 x ND accumulators would spill).
+template <int ND, int R>
+void attend(const Problem& P) {
+  const int64_t n = P.n, m = P.m, Hq = P.Hq, D = ND * 16, G = P.G, offset = P.offset;
+  const int64_t dp_count = D / 2, m_pad = P.m_pad;
+  const bool causal = P.causal;
+  const bf16* qp = P.q;
+  bf16* outp = P.out;
+  const uint32_t* kpk = P.kpk;
+  const uint32_t* vpk = P.vpk;
+  // a task is one head's block of kBlock query rows; for every key tile (64 keys: 8 KB of
+  // packed keys and 8 KB of values, L1-resident) its sub-blocks of R rows run in turn, so
+  // each tile comes from L2/L3 once per block rather than once per 4 rows
+  constexpr int64_t kBlock = 32;
+  const int64_t row_blocks = (n + kBlock - 1) / kBlock;
+  const __m512 vscale = _mm512_set1_ps(P.scale);
+  const __m512i lane_idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  at::parallel_for(0, Hq * row_blocks, 1, [&](int64_t t0, int64_t t1) {
+    alignas(64) uint16_t probs[R][kTile];
+    std::vector<float> o_mem(kBlock * D);
+    float row_max[kBlock], row_sum[kBlock];
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t h = task / row_blocks, b0 = (task % row_blocks) * kBlock;
+      const int64_t block_rows = std::min<int64_t>(kBlock, n - b0), hk = h / G;
+      const uint32_t* kh = kpk + hk * (m_pad / 16) * dp_count * 16;
+      const uint32_t* vh = vpk + hk * (m_pad / 2) * D;
+      std::fill(o_mem.begin(), o_mem.end(), 0.f);
+      std::fill(row_max, row_max + kBlock, -INFINITY);
+      std::fill(row_sum, row_sum + kBlock, 0.f);
+      const int64_t block_last = causal ? std::min(m - 1, offset + b0 + block_rows - 1) : m - 1;
+      for (int64_t j0 = 0; j0 <= block_last; j0 += kTile) {
+        const uint32_t* kt = kh + (j0 / 16) * dp_count * 16;
+        const uint32_t* vt = vh + (j0 / 2) * D;
+        for (int64_t r0 = b0; r0 < b0 + block_rows; r0 += R) {
+          const int64_t rows = std::min<int64_t>(R, b0 + block_rows - r0);
+          const int64_t last_key = causal ? std::min(m - 1, offset + r0 + rows - 1) : m - 1;
+          if (j0 > last_key) continue;  // causal: this tile is in every row's future
+          const bf16* qrow[R];
+          for (int r = 0; r < R; ++r)
+            qrow[r] = qp + ((r0 + std::min<int64_t>(r, rows - 1)) * Hq + h) * D;
+          alignas(64) float sc[R][kTile];
+          qk_tile<R>(qrow, kt, dp_count, sc);
+          float alphas[R];
+          for (int r = 0; r < R; ++r) {
+            const int64_t row = r0 - b0 + r;
+            // keys this row may see: all below m, with causal those <= its own position
+            const int64_t limit = causal ? std::min(m - 1, offset + r0 + r) : m - 1;
+            __m512 mx = _mm512_set1_ps(-INFINITY);
+            for (int u = 0; u < kSub; ++u) {
+              const __m512i key = _mm512_add_epi32(lane_idx, _mm512_set1_epi32(j0 + 16 * u));
+              const __mmask16 ok =
+                  _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(limit)));
+              const __m512 x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), ok,
+                                                  _mm512_mul_ps(_mm512_load_ps(sc[r] + 16 * u), vscale));
+              _mm512_store_ps(sc[r] + 16 * u, x);
+              mx = _mm512_max_ps(mx, x);
+            }
+            const float new_max = std::max(row_max[row], _mm512_reduce_max_ps(mx));
+            float alpha = 1.f;
+            if (new_max == -INFINITY) {  // nothing visible to this row yet
+              std::memset(probs[r], 0, sizeof(probs[r]));
+            } else {
+              alpha = row_max[row] == -INFINITY ? 0.f : std::exp(row_max[row] - new_max);
+              row_max[row] = new_max;
+              __m512 sum = _mm512_setzero_ps();
+              for (int u = 0; u < kSub; ++u) {
+                const __m512 e =
+                    exp16(_mm512_sub_ps(_mm512_load_ps(sc[r] + 16 * u), _mm512_set1_ps(new_max)));
+                sum = _mm512_add_ps(sum, e);
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs[r] + 16 * u),
+                                    (__m256i)_mm512_cvtneps_pbh(e));
+              }
+              row_sum[row] = row_sum[row] * alpha + _mm512_reduce_add_ps(sum);
+            }
+            alphas[r] = alpha;
+          }
+          const int64_t pairs = (std::min<int64_t>(kTile, last_key + 1 - j0) + 1) / 2;
+          pv_tile<ND, R>(o_mem.data() + (r0 - b0) * D, alphas, probs, vt, pairs);
+        }
+      }
+      for (int64_t r = 0; r < block_rows; ++r) {
+        bf16* dst = outp + ((b0 + r) * Hq + h) * D;
+        const __m512 inv = _mm512_set1_ps(1.0f / row_sum[r]);
+        for (int d = 0; d < ND; ++d)
+          _mm256_storeu_si256(
+              reinterpret_cast<__m256i*>(dst + 16 * d),
+              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o_mem.data() + r * D + 16 * d), inv)));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// Keys and values of one attention call repacked for the kernel: keys as
+// [Hk][m_pad/16][D/2][16 keys] pairs (k[j, 2p], k[j, 2p+1]), values as [Hk][m_pad/2][D] pairs
+// (v[2i, d], v[2i+1, d]), so one 64-byte load feeds one vdpbf16ps. Packing costs about one
+// pass over k and v; a caller attending many query blocks to the same keys packs once.
+std::vector<at::Tensor> pack_kv(const at::Tensor& k_in, const at::Tensor& v_in) {
+  TORCH_CHECK(k_in.dim() == 3 && v_in.sizes() == k_in.sizes(), "k, v: [tokens, heads, D]");
+  TORCH_CHECK(k_in.scalar_type() == at::kBFloat16 && v_in.scalar_type() == at::kBFloat16,
+              "bf16 only");
+  const at::Tensor k = k_in.contiguous(), v = v_in.contiguous();
+  const int64_t m = k.size(0), Hk = k.size(1), D = k.size(2);
+  TORCH_CHECK(m > 0, "no keys");
+  TORCH_CHECK(D % 16 == 0 && D <= 128, "head_dim must be 16..128, step 16");
+  const int64_t m_pad = (m + kTile - 1) / kTile * kTile, dp_count = D / 2;
+  auto opts = k.options().dtype(at::kInt);
+  at::Tensor kpk_t = at::empty({Hk, m_pad / 16, dp_count, 16}, opts);
+  at::Tensor vpk_t = at::empty({Hk, m_pad / 2, D}, opts);
+  uint32_t* kpk = reinterpret_cast<uint32_t*>(kpk_t.data_ptr<int32_t>());
+  uint32_t* vpk = reinterpret_cast<uint32_t*>(vpk_t.data_ptr<int32_t>());
+  const bf16* kp = k.data_ptr<bf16>();
+  const bf16* vp = v.data_ptr<bf16>();
+  const bf16 zero(0.f);
+  at::parallel_for(0, Hk * (m_pad / 16), 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t h = t / (m_pad / 16), j0 = (t % (m_pad / 16)) * 16;
+      uint32_t* dst = kpk + t * dp_count * 16;
+      for (int64_t lane = 0; lane < 16; ++lane) {
+        const int64_t j = j0 + lane;
+        const bf16* row = j < m ? kp + (j * Hk + h) * D : nullptr;
+        for (int64_t p = 0; p < dp_count; ++p)
+          dst[p * 16 + lane] = row ? pair(row + 2 * p, row + 2 * p + 1) : 0u;
+      }
+      uint32_t* vdst = vpk + (h * (m_pad / 2) + j0 / 2) * D;
+      for (int64_t i = 0; i < 8; ++i) {
+        const int64_t j = j0 + 2 * i;
+        const bf16* a = j < m ? vp + (j * Hk + h) * D : nullptr;
+        const bf16* b = j + 1 < m ? vp + ((j + 1) * Hk + h) * D : nullptr;
+        for (int64_t d = 0; d < D; ++d)
+          vdst[i * D + d] = pair(a ? a + d : &zero, b ? b + d : &zero);
+      }
+    }
+  });
+  return {kpk_t, vpk_t, at::scalar_tensor(m, opts.dtype(at::kLong))};
+}
+
+// q: [n, Hq, D] against keys/values packed by pack_kv (m of them). Query i sits at position
+// m - n + i: with ``causal`` it sees keys j <= m - n + i, otherwise all m. Returns
+// [n, Hq, D] bf16.
+at::Tensor attend_packed(const at::Tensor& q_in, const std::vector<at::Tensor>& packed,
+                         double scale, bool causal) {
+  TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kBFloat16, "q: bf16 [n, heads, D]");
+  TORCH_CHECK(packed.size() == 3, "packed: the result of pack_kv");
+  const at::Tensor q = q_in.contiguous();
+  const at::Tensor &kpk = packed[0], &vpk = packed[1];
+  const int64_t n = q.size(0), Hq = q.size(1), D = q.size(2), m = packed[2].item<int64_t>();
+  const int64_t Hk = kpk.size(0), m_pad = kpk.size(1) * 16;
+  TORCH_CHECK(kpk.size(2) * 2 == D && vpk.size(2) == D, "q and k head dims differ");
+  TORCH_CHECK(Hq % Hk == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(!causal || m >= n, "causal: the queries are the last n of the m keys");
+  at::Tensor out = at::empty({n, Hq, D}, q.options());
+  if (n == 0) return out;
+  const Problem problem{q.data_ptr<bf16>(),
+                        out.data_ptr<bf16>(),
+                        reinterpret_cast<const uint32_t*>(kpk.data_ptr<int32_t>()),
+                        reinterpret_cast<const uint32_t*>(vpk.data_ptr<int32_t>()),
+                        n, m, Hq, Hq / Hk, m - n, m_pad, static_cast<float>(scale), causal};
+  switch (D / 16) {
+    case 1: attend<1, 4>(problem); break;
+    case 2: attend<2, 4>(problem); break;
+    case 3: attend<3, 4>(problem); break;
+    case 4: attend<4, 4>(problem); break;
+    case 5: attend<5, 2>(problem); break;
+    case 6: attend<6, 2>(problem); break;
+    case 7: attend<7, 2>(problem); break;
+    default: attend<8, 2>(problem); break;
+  }
+  return out;
+}
+
+at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           double scale, bool causal) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(2) == k.size(2), "q, k, v: [tokens, heads, D]");
+  return attend_packed(q, pack_kv(k, v), scale, causal);
+}
