@@ -63,12 +63,15 @@ def run_split_job(split, pixels, grid, slowest: list[float]) -> None:
 
 
 def bench_dtype(model_dir, dtype: torch.dtype, pixels, grid, args) -> dict:
+    from engine.kernels import load_cpu_decode
     from engine.models import load_model
     from engine.models.vision_encoder import VisionTower
 
     model, hf_config, arch = load_model(model_dir, dtype, torch.device("cpu"), cpu_kernels=False)
-    tower = VisionTower(model.visual, hf_config.vision_config, arch)
-    split = VisionTower(model.visual, hf_config.vision_config, arch, args.max_rows)
+    # the native flash attention of engine/kernels, as the engine runs it (bf16 on CPU)
+    kernels = load_cpu_decode() if dtype == torch.bfloat16 else None
+    tower = VisionTower(model.visual, hf_config.vision_config, arch, kernels=kernels)
+    split = VisionTower(model.visual, hf_config.vision_config, arch, args.max_rows, kernels=kernels)
     pixels = pixels.to(dtype)
 
     def hf() -> torch.Tensor:

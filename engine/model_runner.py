@@ -59,6 +59,12 @@ class ModelRunner:
         self.encoder_outputs: dict[str, torch.Tensor] = {}
         self._fused_rows = 0
         self.fused_decoder = self._build_fused_decoder()
+        # decode rows of mixed steps: engine.kernels' paged attention (bf16 CPU)
+        self._native_attention = (
+            getattr(model, "cpu_kernels", None) is not None
+            and dtype == torch.bfloat16
+            and device.type == "cpu"
+        )
         self.fused_decode_steps = 0
 
     # decode-only steps of up to this many rows run the fused kernel: its dot-product GEMV up
@@ -166,6 +172,7 @@ class ModelRunner:
             [c.num_tokens for c in chunks],
             self.block_size,
             self.device,
+            native_decode=self._native_attention,
         )
         hidden = self.model(hidden, positions.to(self.device), self.kv_caches, meta)
 

@@ -171,6 +171,162 @@ void rms_norm(const bf16* x, const bf16* weight, bf16* out, int64_t H, float eps
   for (int64_t i = 0; i < H; ++i) out[i] = bf16(f32(weight[i]) * f32(bf16(f32(x[i]) * r)));
 }
 
+// Split-K decode attention ("flash-decoding") over the paged cache: a task is one row's keys
+// [i0, i1) for all heads, so each cache slot (all KV heads, contiguous) is read whole, once,
+// and a single long context still spreads over every core. Each task leaves per-head partial
+// softmax results (max, sum, unnormalised output) that are merged afterwards.
+// q: M rows of H heads x D (row stride q_stride); out: [M, H, D]; caches: [slots, KVH, D].
+void paged_decode_attention(int M, const bf16* q, int64_t q_stride, bf16* out, int64_t H,
+                            int64_t KVH, int64_t D, const bf16* kc, const bf16* vc,
+                            const int64_t* tab, const int64_t* len, int64_t max_blocks,
+                            int64_t block_size, float scale) {
+    const int64_t G = H / KVH, kv_size = KVH * D, nd = D / 16, nc = (D + 31) / 32;
+    const __mmask32 full = ~__mmask32(0);
+    const __mmask32 last = D % 32 ? (__mmask32(1) << (D % 32)) - 1 : full;
+
+    // splits per row: enough tasks for every thread, none shorter than kMinSplit keys
+    constexpr int64_t kMinSplit = 128;
+    const int64_t threads = at::get_num_threads();
+    std::vector<int64_t> first_task(M + 1, 0), splits(M);
+    for (int m = 0; m < M; ++m) {
+      const int64_t want = (2 * threads + M - 1) / M;
+      splits[m] = std::max<int64_t>(1, std::min(want, len[m] / kMinSplit));
+      first_task[m + 1] = first_task[m] + splits[m];
+    }
+    const int64_t tasks = first_task[M];
+    std::vector<float> part_max(tasks * H), part_sum(tasks * H), part_out(tasks * H * D);
+
+    at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> scores;
+      std::vector<int64_t> slots;
+      std::vector<__m512i> qb(H * nc);
+      std::vector<__m512> o(H * nd);
+      for (int64_t task = t0; task < t1; ++task) {
+        const int64_t m = std::upper_bound(first_task.begin(), first_task.end(), task) -
+                          first_task.begin() - 1;
+        const int64_t split = task - first_task[m], ctx = len[m];
+        const int64_t i0 = ctx * split / splits[m], i1 = ctx * (split + 1) / splits[m];
+        const int64_t n = i1 - i0, padded = (n + 15) / 16 * 16;
+        const bf16* row = q + m * q_stride;
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t c = 0; c < nc; ++c)
+            qb[h * nc + c] = _mm512_maskz_loadu_epi16(c == nc - 1 ? last : full,
+                                                      row + h * D + 32 * c);
+        slots.resize(n);  // walk the block table once, no division per key
+        for (int64_t i = i0, b = i0 / block_size, off = i0 % block_size; i < i1; ++i) {
+          slots[i - i0] = tab[m * max_blocks + b] * block_size + off;
+          if (++off == block_size) off = 0, ++b;
+        }
+        // scores[h][j]: 16 keys at a time, every head, reduced together by hsum16
+        scores.resize(H * padded);
+        for (int64_t j0 = 0; j0 < n; j0 += 16) {
+          const int64_t cnt = std::min<int64_t>(16, n - j0);
+          const bf16* keys[16];
+          for (int64_t t = 0; t < 16; ++t)  // a short last tile repeats its last key
+            keys[t] = kc + slots[j0 + std::min(t, cnt - 1)] * kv_size;
+          for (int64_t h = 0; h < H; ++h) {
+            const int64_t head_off = (h / G) * D;
+            __m512 part[16];
+            for (int t = 0; t < 16; ++t) {
+              __m512 acc = _mm512_setzero_ps();
+              for (int64_t c = 0; c < nc; ++c) {
+                const __m512i kv = _mm512_maskz_loadu_epi16(c == nc - 1 ? last : full,
+                                                            keys[t] + head_off + 32 * c);
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)kv, (__m512bh)qb[h * nc + c]);
+              }
+              part[t] = acc;
+            }
+            float* dst = scores.data() + h * padded + j0;
+            _mm512_storeu_ps(dst, _mm512_mul_ps(hsum16(part), _mm512_set1_ps(scale)));
+            for (int64_t t = cnt; t < 16; ++t) dst[t] = -INFINITY;
+          }
+        }
+        // softmax numerators (kept in scores) and this split's max and sum per head
+        for (int64_t h = 0; h < H; ++h) {
+          float* sc = scores.data() + h * padded;
+          __m512 mx = _mm512_set1_ps(-INFINITY);
+          for (int64_t j = 0; j < padded; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sc + j));
+          const float top = _mm512_reduce_max_ps(mx);
+          __m512 sum = _mm512_setzero_ps();
+          for (int64_t j = 0; j < padded; j += 16) {
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + j), _mm512_set1_ps(top)));
+            _mm512_storeu_ps(sc + j, e);
+            sum = _mm512_add_ps(sum, e);
+          }
+          part_max[task * H + h] = top;
+          part_sum[task * H + h] = _mm512_reduce_add_ps(sum);
+          for (int64_t j = 0; j < nd; ++j) o[h * nd + j] = _mm512_setzero_ps();
+        }
+        // weighted values: each slot's values for every head in one pass
+        std::vector<__m512> p(G);
+        for (int64_t j = 0; j < n; ++j) {
+          const bf16* v = vc + slots[j] * kv_size;
+          for (int64_t kvh = 0; kvh < KVH; ++kvh) {
+            for (int64_t g = 0; g < G; ++g)
+              p[g] = _mm512_set1_ps(scores[(kvh * G + g) * padded + j]);
+            for (int64_t d = 0; d < nd; ++d) {
+              const __m512 vv = load16(v + kvh * D + 16 * d);
+              for (int64_t g = 0; g < G; ++g) {
+                __m512& acc = o[(kvh * G + g) * nd + d];
+                acc = _mm512_fmadd_ps(p[g], vv, acc);
+              }
+            }
+          }
+        }
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t d = 0; d < nd; ++d)
+            _mm512_storeu_ps(part_out.data() + (task * H + h) * D + 16 * d, o[h * nd + d]);
+      }
+    });
+
+    // merge the splits of each (row, head) by their maxima
+    for (int m = 0; m < M; ++m)
+      for (int64_t h = 0; h < H; ++h) {
+        float top = -INFINITY;
+        for (int64_t t = first_task[m]; t < first_task[m + 1]; ++t)
+          top = std::max(top, part_max[t * H + h]);
+        float total = 0.f;
+        std::vector<float> acc(D, 0.f);
+        for (int64_t t = first_task[m]; t < first_task[m + 1]; ++t) {
+          const float w = std::exp(part_max[t * H + h] - top);
+          total += w * part_sum[t * H + h];
+          const float* po = part_out.data() + (t * H + h) * D;
+          for (int64_t d = 0; d < D; ++d) acc[d] += w * po[d];
+        }
+        bf16* dst = out + m * H * D + h * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = bf16(acc[d] / total);
+      }
+  }
+
+// The same for a decode batch of a mixed step (the eager forward's decode rows): q [M, H, D],
+// caches [slots, KVH, D], block_tables [M, max_blocks], context_lens [M] (incl. the new token,
+// already written). Returns [M, H, D] bf16.
+at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, int64_t block_size, double scale) {
+  TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kBFloat16, "q: bf16 [rows, H, D]");
+  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+              "caches: contiguous bf16 [slots, KVH, D]");
+  const at::Tensor q = q_in.contiguous();
+  const at::Tensor tables = block_tables.to(at::kLong).contiguous();
+  const at::Tensor lens = context_lens.to(at::kLong).contiguous();
+  const int M = static_cast<int>(q.size(0));
+  const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == D && H % KVH == 0 && D % 16 == 0 && D <= 128, "head shapes");
+  TORCH_CHECK(tables.size(0) == M && lens.size(0) == M, "one table and length per row");
+  const int64_t* len = lens.data_ptr<int64_t>();
+  for (int m = 0; m < M; ++m)
+    TORCH_CHECK(len[m] >= 1 && (len[m] - 1) / block_size < tables.size(1), "context length");
+  at::Tensor out = at::empty_like(q);
+  if (M == 0) return out;
+  paged_decode_attention(M, q.data_ptr<bf16>(), H * D, out.data_ptr<bf16>(), H, KVH, D,
+                         k_cache.data_ptr<bf16>(), v_cache.data_ptr<bf16>(),
+                         tables.data_ptr<int64_t>(), len, tables.size(1), block_size,
+                         static_cast<float>(scale));
+  return out;
+}
+
 // oneDNN's matmul on a weight PyTorch prepacked (torch.ops.mkldnn._reorder_linear_weight), the
 // kernel the eager path uses: past a few rows a step is compute-bound and oneDNN's blocked
 // GEMM (AMX where the CPU has it) beats a row-wise dot product. Called through the dispatcher,
@@ -289,7 +445,9 @@ class FusedDecoder {
             qkv[m * qkv_size_ + n] = bf16(acc[m * (n1 - n0) + n - n0] + f32(bias[n]));
       });
       rotary_and_store(M, qkv, cos_t.data_ptr<bf16>(), sin_t.data_ptr<bf16>(), L, new_slot);
-      attention(M, qkv, attn, L, tab, len, max_blocks, block_size);
+      paged_decode_attention(M, qkv, qkv_size_, attn, num_heads_, num_kv_heads_, head_dim_,
+                             L.k_cache.data_ptr<bf16>(), L.v_cache.data_ptr<bf16>(), tab, len,
+                             max_blocks, block_size, 1.0f / std::sqrt(float(head_dim_)));
       linear(M, attn_t, L.o_w, L.o_p, H, add_to_residual);
       norm_rows(L.ln2.data_ptr<bf16>());
       if (M <= gemv_max_rows_ || !packed_) {
@@ -386,134 +544,6 @@ class FusedDecoder {
     });
   }
 
-  // Split-K decode attention ("flash-decoding"): a task is one row's keys [i0, i1) for all
-  // heads, so each cache slot (all KV heads, contiguous) is read whole, once, and a single long
-  // context still spreads over every core. Each task leaves per-head partial softmax results
-  // (max, sum, unnormalised output) that are merged afterwards.
-  void attention(int M, const bf16* qkv, bf16* out, const LayerWeights& L, const int64_t* tab,
-                 const int64_t* len, int64_t max_blocks, int64_t block_size) const {
-    const int64_t D = head_dim_, H = num_heads_, G = num_heads_ / num_kv_heads_;
-    const int64_t KVH = num_kv_heads_, kv_size = KVH * D, nd = D / 16, nc = (D + 31) / 32;
-    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-    const __mmask32 full = ~__mmask32(0);
-    const __mmask32 last = D % 32 ? (__mmask32(1) << (D % 32)) - 1 : full;
-    const bf16* kc = L.k_cache.data_ptr<bf16>();
-    const bf16* vc = L.v_cache.data_ptr<bf16>();
-
-    // splits per row: enough tasks for every thread, none shorter than kMinSplit keys
-    constexpr int64_t kMinSplit = 128;
-    const int64_t threads = at::get_num_threads();
-    std::vector<int64_t> first_task(M + 1, 0), splits(M);
-    for (int m = 0; m < M; ++m) {
-      const int64_t want = (2 * threads + M - 1) / M;
-      splits[m] = std::max<int64_t>(1, std::min(want, len[m] / kMinSplit));
-      first_task[m + 1] = first_task[m] + splits[m];
-    }
-    const int64_t tasks = first_task[M];
-    std::vector<float> part_max(tasks * H), part_sum(tasks * H), part_out(tasks * H * D);
-
-    at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-      std::vector<float> scores;
-      std::vector<int64_t> slots;
-      std::vector<__m512i> qb(H * nc);
-      std::vector<__m512> o(H * nd);
-      for (int64_t task = t0; task < t1; ++task) {
-        const int64_t m = std::upper_bound(first_task.begin(), first_task.end(), task) -
-                          first_task.begin() - 1;
-        const int64_t split = task - first_task[m], ctx = len[m];
-        const int64_t i0 = ctx * split / splits[m], i1 = ctx * (split + 1) / splits[m];
-        const int64_t n = i1 - i0, padded = (n + 15) / 16 * 16;
-        const bf16* row = qkv + m * qkv_size_;
-        for (int64_t h = 0; h < H; ++h)
-          for (int64_t c = 0; c < nc; ++c)
-            qb[h * nc + c] = _mm512_maskz_loadu_epi16(c == nc - 1 ? last : full,
-                                                      row + h * D + 32 * c);
-        slots.resize(n);  // walk the block table once, no division per key
-        for (int64_t i = i0, b = i0 / block_size, off = i0 % block_size; i < i1; ++i) {
-          slots[i - i0] = tab[m * max_blocks + b] * block_size + off;
-          if (++off == block_size) off = 0, ++b;
-        }
-        // scores[h][j]: 16 keys at a time, every head, reduced together by hsum16
-        scores.resize(H * padded);
-        for (int64_t j0 = 0; j0 < n; j0 += 16) {
-          const int64_t cnt = std::min<int64_t>(16, n - j0);
-          const bf16* keys[16];
-          for (int64_t t = 0; t < 16; ++t)  // a short last tile repeats its last key
-            keys[t] = kc + slots[j0 + std::min(t, cnt - 1)] * kv_size;
-          for (int64_t h = 0; h < H; ++h) {
-            const int64_t head_off = (h / G) * D;
-            __m512 part[16];
-            for (int t = 0; t < 16; ++t) {
-              __m512 acc = _mm512_setzero_ps();
-              for (int64_t c = 0; c < nc; ++c) {
-                const __m512i kv = _mm512_maskz_loadu_epi16(c == nc - 1 ? last : full,
-                                                            keys[t] + head_off + 32 * c);
-                acc = _mm512_dpbf16_ps(acc, (__m512bh)kv, (__m512bh)qb[h * nc + c]);
-              }
-              part[t] = acc;
-            }
-            float* dst = scores.data() + h * padded + j0;
-            _mm512_storeu_ps(dst, _mm512_mul_ps(hsum16(part), _mm512_set1_ps(scale)));
-            for (int64_t t = cnt; t < 16; ++t) dst[t] = -INFINITY;
-          }
-        }
-        // softmax numerators (kept in scores) and this split's max and sum per head
-        for (int64_t h = 0; h < H; ++h) {
-          float* sc = scores.data() + h * padded;
-          __m512 mx = _mm512_set1_ps(-INFINITY);
-          for (int64_t j = 0; j < padded; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sc + j));
-          const float top = _mm512_reduce_max_ps(mx);
-          __m512 sum = _mm512_setzero_ps();
-          for (int64_t j = 0; j < padded; j += 16) {
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + j), _mm512_set1_ps(top)));
-            _mm512_storeu_ps(sc + j, e);
-            sum = _mm512_add_ps(sum, e);
-          }
-          part_max[task * H + h] = top;
-          part_sum[task * H + h] = _mm512_reduce_add_ps(sum);
-          for (int64_t j = 0; j < nd; ++j) o[h * nd + j] = _mm512_setzero_ps();
-        }
-        // weighted values: each slot's values for every head in one pass
-        std::vector<__m512> p(G);
-        for (int64_t j = 0; j < n; ++j) {
-          const bf16* v = vc + slots[j] * kv_size;
-          for (int64_t kvh = 0; kvh < KVH; ++kvh) {
-            for (int64_t g = 0; g < G; ++g)
-              p[g] = _mm512_set1_ps(scores[(kvh * G + g) * padded + j]);
-            for (int64_t d = 0; d < nd; ++d) {
-              const __m512 vv = load16(v + kvh * D + 16 * d);
-              for (int64_t g = 0; g < G; ++g) {
-                __m512& acc = o[(kvh * G + g) * nd + d];
-                acc = _mm512_fmadd_ps(p[g], vv, acc);
-              }
-            }
-          }
-        }
-        for (int64_t h = 0; h < H; ++h)
-          for (int64_t d = 0; d < nd; ++d)
-            _mm512_storeu_ps(part_out.data() + (task * H + h) * D + 16 * d, o[h * nd + d]);
-      }
-    });
-
-    // merge the splits of each (row, head) by their maxima
-    for (int m = 0; m < M; ++m)
-      for (int64_t h = 0; h < H; ++h) {
-        float top = -INFINITY;
-        for (int64_t t = first_task[m]; t < first_task[m + 1]; ++t)
-          top = std::max(top, part_max[t * H + h]);
-        float total = 0.f;
-        std::vector<float> acc(D, 0.f);
-        for (int64_t t = first_task[m]; t < first_task[m + 1]; ++t) {
-          const float w = std::exp(part_max[t * H + h] - top);
-          total += w * part_sum[t * H + h];
-          const float* po = part_out.data() + (t * H + h) * D;
-          for (int64_t d = 0; d < D; ++d) acc[d] += w * po[d];
-        }
-        bf16* dst = out + m * H * D + h * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = bf16(acc[d] / total);
-      }
-  }
-
   std::vector<LayerWeights> layers_;
   at::Tensor final_norm_, lm_head_, lm_head_p_;
   int64_t gemv_max_rows_;
@@ -553,6 +583,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           std::optional<at::Tensor>, int64_t, int64_t, int64_t, double, int64_t>())
       .def("forward", &FusedDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("small_matmul", &small_matmul);
+  m.def("decode_attention", &decode_attention,
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("copy_to_huge_pages", &copy_to_huge_pages);
   m.def("flash_attention", &flash_attention, pybind11::arg("q"), pybind11::arg("k"),
         pybind11::arg("v"), pybind11::arg("scale"), pybind11::arg("causal"),

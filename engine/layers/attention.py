@@ -40,6 +40,10 @@ class AttentionMetadata:
     num_decodes: int = 0
     decode_slots: torch.Tensor | None = None  # [B, Lmax] padded context slots of each decode
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] bool
+    # for engine.kernels' paged decode attention instead of the two above
+    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks]
+    decode_lens: torch.Tensor | None = None  # [B] context length incl. the new token
+    block_size: int = 0
     prefills: list[PrefillChunkMeta] = field(default_factory=list)
 
 
@@ -49,12 +53,14 @@ def build_attention_metadata(
     lengths: list[int],
     block_size: int,
     device: torch.device,
+    native_decode: bool = False,
 ) -> AttentionMetadata:
     """Per-step metadata shared by all layers.
 
     Entry ``i`` describes one scheduled request: its block table, the index of its first new
     token (``start`` = tokens already in the cache) and how many new tokens it brings. Entries
-    with ``length == 1`` and ``start > 0`` must come first (decodes).
+    with ``length == 1`` and ``start > 0`` must come first (decodes). ``native_decode``: the
+    decodes will run engine.kernels' paged attention, which reads block tables directly.
     """
     slot_parts: list[torch.Tensor] = []
     context_slots: list[torch.Tensor] = []
@@ -74,7 +80,15 @@ def build_attention_metadata(
         slot_mapping=torch.cat(slot_parts).to(device) if slot_parts else torch.empty(0),
         num_decodes=num_decodes,
     )
-    if num_decodes:
+    meta.block_size = block_size
+    if num_decodes and native_decode:
+        width = max(len(t) for t in block_tables[:num_decodes])
+        tables = torch.zeros(num_decodes, width, dtype=torch.long)
+        for row, table in enumerate(block_tables[:num_decodes]):
+            tables[row, : len(table)] = torch.tensor(table, dtype=torch.long)
+        meta.decode_block_tables = tables
+        meta.decode_lens = torch.tensor([s + 1 for s in starts[:num_decodes]], dtype=torch.long)
+    elif num_decodes:
         max_len = max(len(s) for s in context_slots[:num_decodes])
         padded = torch.zeros(num_decodes, max_len, dtype=torch.long)
         mask = torch.zeros(num_decodes, max_len, dtype=torch.bool)
@@ -124,7 +138,17 @@ def paged_attention(
     # GQA by grouping query heads under their shared KV head (head h uses KV head h // group):
     # no K/V copies, and it avoids SDPA's enable_gqa + mask path, ~6x slower in bf16 on CPU.
     nd = meta.num_decodes
-    if nd:
+    if nd and meta.decode_block_tables is not None:
+        out[:nd] = kernels.decode_attention(
+            q[:nd],
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_lens,
+            meta.block_size,
+            scale,
+        )
+    elif nd:
         kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, KVH, L, D]
         vd = v_cache[meta.decode_slots].transpose(1, 2)
         qd = q[:nd].view(nd, num_kv_heads, group, head_dim)  # [B, KVH, group, D]

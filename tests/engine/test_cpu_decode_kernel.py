@@ -71,6 +71,33 @@ def test_flash_attention_matches_fp32(n, m, heads, kv_heads, head_dim, causal) -
         assert torch.equal(torch.cat(parts), got.bfloat16())
 
 
+@pytest.mark.parametrize(("rows", "heads", "kv_heads", "head_dim"), [(1, 12, 4, 64), (5, 4, 2, 16)])
+def test_paged_decode_attention_matches_fp32(rows, heads, kv_heads, head_dim) -> None:
+    """Scattered blocks, contexts from 1 token to several splits' worth (split-K merge)."""
+    gen = torch.Generator().manual_seed(rows)
+    block_size, num_blocks = 16, 200
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen).bfloat16()
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen).bfloat16()
+    lens = [1, 700, 33, 129, 16][:rows]
+    tables = torch.zeros(rows, 50, dtype=torch.long)
+    perm = torch.randperm(num_blocks, generator=gen)
+    used = 0
+    for row, n in enumerate(lens):
+        blocks = -(-n // block_size)
+        tables[row, :blocks] = perm[used : used + blocks]
+        used += blocks
+    q = torch.randn(rows, heads, head_dim, generator=gen).bfloat16()
+    scale = head_dim**-0.5
+    got = kernels.decode_attention(
+        q, k_cache, v_cache, tables, torch.tensor(lens), block_size, scale
+    ).float()
+    for row, n in enumerate(lens):
+        idx = torch.arange(n)
+        slots = tables[row, idx // block_size] * block_size + idx % block_size
+        want = _attention_fp32(q[row : row + 1], k_cache[slots], v_cache[slots], scale, False)
+        torch.testing.assert_close(got[row : row + 1], want, rtol=2e-2, atol=1e-2)
+
+
 def test_flash_attention_rejects_bad_shapes() -> None:
     q = torch.randn(4, 2, 64).bfloat16()
     odd = torch.randn(4, 1, 24).bfloat16()
@@ -133,10 +160,12 @@ class _LogitsPairs:
             return self._sample(logits, chunks)
 
         decoder, runner.fused_decoder, runner._sample = runner.fused_decoder, None, keep
+        runner._native_attention = False  # the eager gather + SDPA decode attention
         try:
             out = self._forward(sched)  # eager: rewrites the same cache slots, then samples
         finally:
             runner.fused_decoder = decoder
+            runner._native_attention = True
             del runner._sample
         self.pairs.append((fused, seen[0]))
         return out
