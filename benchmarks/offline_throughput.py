@@ -63,6 +63,30 @@ def text_params(model_dir, bytes_per_param: int) -> tuple[int, int]:
     return n, n * bytes_per_param
 
 
+def head_params(model_dir) -> int:
+    """lm_head parameters (the embedding matrix when tied)."""
+    from safetensors import safe_open
+
+    embed = 0
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                shape = f.get_slice(name).get_shape()
+                if name.endswith("lm_head.weight"):
+                    return shape[0] * shape[1]
+                if "embed_tokens" in name and "visual" not in name:
+                    embed = shape[0] * shape[1]
+    return embed
+
+
+def prefill_flops(model_dir, cfg, tokens: int) -> float:
+    """A prompt's decoder FLOPs: every token through the layers, one through the lm_head
+    (only the last position's logits are computed), plus causal attention."""
+    n_params, _ = text_params(model_dir, 2)
+    head = head_params(model_dir)
+    return 2 * (n_params - head) * tokens + 2 * head + attention_flops(cfg, tokens)
+
+
 def attention_flops(cfg, tokens: int) -> float:
     """Causal attention QK^T and PV over a prompt: 2 matmuls x 2 FLOP x heads x d x T^2 / 2."""
     head_dim = cfg.hidden_size // cfg.num_attention_heads
@@ -228,7 +252,7 @@ def main() -> None:
     bound_step = bytes_per_token / bandwidth
 
     def prefill_mfu(r):
-        flops = 2 * n_params * r["prefill_tokens"] + attention_flops(cfg, r["prefill_tokens"])
+        flops = prefill_flops(model_dir, cfg, r["prefill_tokens"])
         return flops / r["prefill_lm_s"] / peak
 
     summary = {

@@ -18,7 +18,7 @@ import torch
 
 from benchmarks.common import bench_checkpoint, checkpoint_args, log, save_json, setup_env
 from benchmarks.machine import matmul_peak_flops, memory_bandwidth
-from benchmarks.offline_throughput import attention_flops, text_params
+from benchmarks.offline_throughput import prefill_flops, text_params
 from engine.device import resolve_dtype
 
 
@@ -76,7 +76,7 @@ def main() -> None:
         while eng.has_unfinished():
             eng.step()
     prefill_s = min(times)
-    flops = 2 * n_params * args.prompt_tokens + attention_flops(cfg, args.prompt_tokens)
+    flops = prefill_flops(model_dir, cfg, args.prompt_tokens)
     result = {
         "machine": machine,
         "prefill_s": prefill_s,
