@@ -25,6 +25,10 @@ class PrefillChunkMeta:
     q_end: int
     context_slots: torch.Tensor | None  # [context_len] slots to read; None: chunk starts at 0
     mask: torch.Tensor | None  # [q_len, context_len] bool, True = attend; None with the above
+    # native kernels, a short late chunk: each query row runs as a decode row of the paged
+    # kernel (block table [1, blocks], context lengths start+1 .. start+n), no k/v repacking
+    block_table: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
     _grouped: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def grouped_mask(self, group: int) -> torch.Tensor:
@@ -45,6 +49,12 @@ class AttentionMetadata:
     decode_lens: torch.Tensor | None = None  # [B] context length incl. the new token
     block_size: int = 0
     prefills: list[PrefillChunkMeta] = field(default_factory=list)
+
+
+# a late prefill chunk this short (a few tokens riding along with decodes under an ITL
+# target) attends through the paged decode kernel, row by row: repacking its whole cached
+# prefix for the flash kernel would cost more than the attention itself
+SHORT_CHUNK_ROWS = 32
 
 
 def build_attention_metadata(
@@ -103,6 +113,17 @@ def build_attention_metadata(
         start, length = starts[i], lengths[i]
         if start == 0:
             meta.prefills.append(PrefillChunkMeta(row, row + length, None, None))
+        elif native_decode and length <= SHORT_CHUNK_ROWS:
+            meta.prefills.append(
+                PrefillChunkMeta(
+                    row,
+                    row + length,
+                    context_slots[i].to(device),
+                    None,
+                    block_table=torch.tensor([block_tables[i]], dtype=torch.long),
+                    context_lens=torch.arange(start + 1, start + length + 1),
+                )
+            )
         else:
             q_pos = torch.arange(start, start + length).unsqueeze(1)
             k_pos = torch.arange(start + length).unsqueeze(0)
@@ -158,6 +179,17 @@ def paged_attention(
     native = kernels is not None and q.dtype == torch.bfloat16 and q.device.type == "cpu"
     for chunk in meta.prefills:
         n = chunk.q_end - chunk.q_start
+        if native and chunk.block_table is not None:
+            out[chunk.q_start : chunk.q_end] = kernels.decode_attention(
+                q[chunk.q_start : chunk.q_end],
+                k_cache,
+                v_cache,
+                chunk.block_table.expand(n, -1),
+                chunk.context_lens,
+                meta.block_size,
+                scale,
+            )
+            continue
         if native:  # keys: the cached prefix (if any), then the chunk's own
             rows = slice(chunk.q_start, chunk.q_end)
             kc, vc = k[rows], v[rows]
