@@ -67,16 +67,19 @@ def bench_dtype(model_dir, dtype: torch.dtype, pixels, grid, args) -> dict:
     from engine.models import load_model
     from engine.models.vision_encoder import VisionTower
 
-    model, hf_config, arch = load_model(model_dir, dtype, torch.device("cpu"), cpu_kernels=False)
-    # the native flash attention of engine/kernels, as the engine runs it (bf16 on CPU)
-    kernels = load_cpu_decode() if dtype == torch.bfloat16 else None
+    # bf16: as the engine runs it, with engine/kernels' flash attention and packed linears
+    native = dtype == torch.bfloat16 and load_cpu_decode() is not None
+    model, hf_config, arch = load_model(model_dir, dtype, torch.device("cpu"), cpu_kernels=native)
+    kernels = model.cpu_kernels
+    # transformers' own tower on its own copy: ours packs the linears of the shared module
+    plain = load_model(model_dir, dtype, torch.device("cpu"), cpu_kernels=False)[0]
     tower = VisionTower(model.visual, hf_config.vision_config, arch, kernels=kernels)
     split = VisionTower(model.visual, hf_config.vision_config, arch, args.max_rows, kernels=kernels)
     pixels = pixels.to(dtype)
 
     def hf() -> torch.Tensor:
         with torch.inference_mode():
-            return model.visual(pixels, grid_thw=grid).pooler_output
+            return plain.visual(pixels, grid_thw=grid).pooler_output
 
     def ours() -> list[torch.Tensor]:
         return tower.encode(pixels, grid)

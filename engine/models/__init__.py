@@ -82,6 +82,10 @@ def load_model(
             )
             model.set_cpu_kernels(kernels)
             log.info("native CPU kernels on (decode weights copied to huge pages)")
+            if pack_cpu_weights and cpu_packing_available(dtype):
+                # the vision tower's linears run once per 64-row work item: F.linear would
+                # re-lay-out each bf16 weight every time
+                log.info("packed %d vision linears into oneDNN layout", pack_linears(visual))
     if device.type == "cpu" and pack_cpu_weights and cpu_packing_available(dtype):
         if model.tie_word_embeddings:  # the packed head must not alias the embedding table
             model.lm_head.weight = torch.nn.Parameter(model.embed_tokens.weight.detach().clone())

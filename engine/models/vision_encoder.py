@@ -207,12 +207,12 @@ class VisionTower:
         return float(sum(2 * lin.in_features * lin.out_features for lin in linears))
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.hf.blocks[0].attn.qkv.weight.dtype
+    def dtype(self) -> torch.dtype:  # the patch embedding is a convolution: never packed
+        return self.hf.patch_embed.proj.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.hf.blocks[0].attn.qkv.weight.device
+        return self.hf.patch_embed.proj.weight.device
 
     def job(self, pixel_values: Tensor, grid_thw: Tensor) -> VisionEncodeJob:
         return VisionEncodeJob(self, pixel_values, grid_thw)
@@ -225,8 +225,11 @@ class VisionTower:
         return job.result()
 
 
-def _linears(module: nn.Module) -> list[nn.Linear]:
-    return [m for m in module.modules() if isinstance(m, nn.Linear)]
+def _linears(module: nn.Module) -> list[nn.Module]:
+    """Linear layers, plain or packed for oneDNN (bf16 CPU with engine.kernels)."""
+    from engine.layers.linear import PackedLinear
+
+    return [m for m in module.modules() if isinstance(m, nn.Linear | PackedLinear)]
 
 
 class VisionEncodeJob:
