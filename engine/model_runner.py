@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kernels import load_cpu_decode
-from engine.layers.attention import build_attention_metadata
+from engine.layers.attention import build_attention_metadata, padded_block_tables
 from engine.sampler import sample
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -199,10 +199,7 @@ class ModelRunner:
         ids = torch.tensor([c.token_ids[0] for c in chunks], dtype=torch.long)
         positions = torch.cat([c.positions for c in chunks], dim=1)
         cos, sin = self.model.rotary.cos_sin(positions, self.dtype)
-        width = max(len(c.block_table) for c in chunks)
-        tables = torch.zeros(len(chunks), width, dtype=torch.long)
-        for row, c in enumerate(chunks):
-            tables[row, : len(c.block_table)] = torch.tensor(c.block_table, dtype=torch.long)
+        tables = padded_block_tables([c.block_table for c in chunks])
         lengths = torch.tensor([c.start + 1 for c in chunks], dtype=torch.long)
         self.fused_decode_steps += 1
         return self.fused_decoder.forward(

@@ -11,6 +11,7 @@ reused until the source changes; ``python -m engine.kernels`` builds it ahead of
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import time
@@ -22,6 +23,7 @@ import torch
 log = logging.getLogger("engine.kernels")
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.cpp", "cpu_attention.cpp")]
+_HEADERS = [Path(__file__).with_name("simd.h")]
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
 DISABLE_ENV = "VISION_SERVE_DISABLE_CPU_KERNELS"
 
@@ -45,12 +47,15 @@ def load_cpu_decode() -> ModuleType | None:
         return None
     from torch.utils.cpp_extension import load
 
+    # PyTorch rebuilds when the sources or flags change, not the headers: their hash goes in
+    # as a flag
+    headers = hashlib.sha256(b"".join(p.read_bytes() for p in _HEADERS)).hexdigest()[:16]
     t0 = time.perf_counter()
     try:
         module = load(
             name="vision_serve_cpu_decode",
             sources=[str(p) for p in _SOURCES],
-            extra_cflags=_FLAGS,
+            extra_cflags=[*_FLAGS, f"-DVS_HEADERS_{headers}"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )

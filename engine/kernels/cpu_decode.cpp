@@ -15,6 +15,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <immintrin.h>
 
+#include "simd.h"
+
 #include <sys/mman.h>
 
 #include <cmath>
@@ -36,23 +38,7 @@ inline __m512 load16(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// exp for softmax inputs (<= 0 after the max is subtracted): Cody-Waite range reduction and a
-// degree-6 polynomial, ~2 ulp; scalef applies the power of two
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
+using vs_simd::exp16;
 
 // out[i] = sum of the 16 lanes of v[i]: a transpose-and-add tree, ~3 instructions per vector
 // against ~10 for a reduce of each (attention scores for 16 keys at once)
@@ -397,7 +383,7 @@ class FusedDecoder {
     const int M = static_cast<int>(embeds.size(0));
     TORCH_CHECK(M >= 1 && (M <= 8 || packed_), "without packed weights, 1..8 rows");
     const int64_t H = hidden_, D = head_dim_, I = intermediate_;
-    const int64_t q_size = num_heads_ * D, kv_size = num_kv_heads_ * D;
+    const int64_t q_size = num_heads_ * D;
     at::Tensor x_t = embeds.to(at::kBFloat16).contiguous().clone();
     at::Tensor cos_t = cos.to(at::kBFloat16).contiguous();
     at::Tensor sin_t = sin.to(at::kBFloat16).contiguous();

@@ -51,6 +51,15 @@ class AttentionMetadata:
     prefills: list[PrefillChunkMeta] = field(default_factory=list)
 
 
+def padded_block_tables(tables: list[list[int]]) -> torch.Tensor:
+    """Block tables as one [rows, longest] tensor, zero-padded (the kernels read only the
+    blocks a row's context length covers)."""
+    out = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.long)
+    for row, table in enumerate(tables):
+        out[row, : len(table)] = torch.tensor(table, dtype=torch.long)
+    return out
+
+
 # a late prefill chunk this short (a few tokens riding along with decodes under an ITL
 # target) attends through the paged decode kernel, row by row: repacking its whole cached
 # prefix for the flash kernel would cost more than the attention itself
@@ -92,11 +101,7 @@ def build_attention_metadata(
     )
     meta.block_size = block_size
     if num_decodes and native_decode:
-        width = max(len(t) for t in block_tables[:num_decodes])
-        tables = torch.zeros(num_decodes, width, dtype=torch.long)
-        for row, table in enumerate(block_tables[:num_decodes]):
-            tables[row, : len(table)] = torch.tensor(table, dtype=torch.long)
-        meta.decode_block_tables = tables
+        meta.decode_block_tables = padded_block_tables(block_tables[:num_decodes])
         meta.decode_lens = torch.tensor([s + 1 for s in starts[:num_decodes]], dtype=torch.long)
     elif num_decodes:
         max_len = max(len(s) for s in context_slots[:num_decodes])

@@ -158,14 +158,21 @@ def test_bf16_matmul_attention_matches_the_fused_kernel(tiny_checkpoint, max_row
         job = tower.job(pixels, grid)
         assert job._matmul_attention  # bf16 on CPU takes the matmul path by default
         job._matmul_attention = matmuls
-        while not job.done():
-            job.advance(float("inf"))
-        return torch.cat(job.result()).float()
+        return _encode_to_end(job)
 
-    ours, fused = run(True), run(False)
-    cosine = torch.nn.functional.cosine_similarity(ours.flatten(), fused.flatten(), dim=0)
+    _assert_matches_sdpa(run(True), run(False))
+
+
+def _encode_to_end(job) -> torch.Tensor:
+    while not job.done():
+        job.advance(float("inf"))
+    return torch.cat(job.result()).float()
+
+
+def _assert_matches_sdpa(ours: torch.Tensor, sdpa: torch.Tensor) -> None:
+    cosine = torch.nn.functional.cosine_similarity(ours.flatten(), sdpa.flatten(), dim=0)
     assert cosine > 0.9999
-    assert (ours - fused).abs().max() <= 0.02 * fused.abs().max()
+    assert (ours - sdpa).abs().max() <= 0.02 * sdpa.abs().max()
 
 
 def test_attention_calls_batch_whole_equal_windows_and_cut_the_edges():
@@ -223,11 +230,6 @@ def test_native_flash_attention_matches_the_fused_kernel(tiny_checkpoint, max_ro
         job = tower.job(pixels, grid)
         assert job._native == native
         job._matmul_attention = native  # off: SDPA, the reference
-        while not job.done():
-            job.advance(float("inf"))
-        return torch.cat(job.result()).float()
+        return _encode_to_end(job)
 
-    ours, fused = run(True), run(False)
-    cosine = torch.nn.functional.cosine_similarity(ours.flatten(), fused.flatten(), dim=0)
-    assert cosine > 0.9999
-    assert (ours - fused).abs().max() <= 0.02 * fused.abs().max()
+    _assert_matches_sdpa(run(True), run(False))
