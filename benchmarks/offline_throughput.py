@@ -24,8 +24,8 @@ from benchmarks.common import (
     save_json,
     setup_env,
 )
-from benchmarks.machine import matmul_peak_flops, memory_bandwidth
-from engine.device import resolve_dtype
+from benchmarks.machine import matmul_peak_flops, memory_bandwidth, synchronize
+from engine.device import resolve_device, resolve_dtype
 
 
 def conv(i: int, image) -> list[dict]:
@@ -103,6 +103,7 @@ def ours(args, model_dir, frames):
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.num_requests,
         cpu_kernels=args.cpu_kernels,
+        device=args.device,
     )
     eng = llm.engine
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -160,20 +161,23 @@ def ours(args, model_dir, frames):
 
 
 # ---- transformers baseline ---------------------------------------------------------------------
-def hf(args, model_dir, frames, dtype):
+def hf(args, model_dir, frames, dtype, device):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     processor = AutoProcessor.from_pretrained(model_dir)
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).eval()
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).to(device).eval()
 
     def encode(c):
         msgs = [{"role": "user", "content": [{"type": "image"}, c[0]["content"][1]]}]
         text = processor.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-        return processor(text=[text], images=[c[0]["content"][0]["image"]], return_tensors="pt")
+        enc = processor(text=[text], images=[c[0]["content"][0]["image"]], return_tensors="pt")
+        return enc.to(device)
 
     def generate(enc, n):
         with torch.inference_mode():
-            return model.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            out = model.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        synchronize(device)
+        return out
 
     generate(encode(conv(0, frames[0])), 2)  # warm-up
     n_req = min(args.hf_requests, args.num_requests)
@@ -187,7 +191,7 @@ def hf(args, model_dir, frames, dtype):
 
     text_msgs = [{"role": "user", "content": [{"type": "text", "text": "Say something long."}]}]
     text = processor.apply_chat_template(text_msgs, add_generation_prompt=True, tokenize=False)
-    enc = processor(text=[text], return_tensors="pt")
+    enc = processor(text=[text], return_tensors="pt").to(device)
     t = time.perf_counter()
     generate(enc, 1)
     t1 = time.perf_counter() - t
@@ -200,6 +204,7 @@ def hf(args, model_dir, frames, dtype):
     with torch.inference_mode():
         t = time.perf_counter()
         model.model.get_image_features(enc["pixel_values"], enc["image_grid_thw"])
+        synchronize(device)
         vision_s = time.perf_counter() - t
     t = time.perf_counter()
     generate(enc, 1)
@@ -228,23 +233,25 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--image-size", default="640x480")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda (both engines run there)")
     ap.add_argument("--out", default="offline_throughput.json")
     args = ap.parse_args()
-    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
     w, h = (int(x) for x in args.image_size.split("x"))
     model_dir = bench_checkpoint(args.family, args.model)
     # one distinct frame per request: repeated frames would hit the prefix cache and flatter us
     frames = [camera_frame(w, h, seed=s) for s in range(args.num_requests)]
 
     log("measuring machine limits")
-    peak = matmul_peak_flops(dtype)
-    bandwidth = memory_bandwidth()
+    peak = matmul_peak_flops(dtype, device=device)
+    bandwidth = memory_bandwidth(device=device)
     log(f"{args.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s, bandwidth {bandwidth / 1e9:.1f} GB/s")
 
     log(f"our engine: {args.num_requests} image requests x {args.max_tokens} tokens")
     o = ours(args, model_dir, frames)
     log(f"transformers generate(): {args.hf_requests} requests one at a time")
-    b = hf(args, model_dir, frames, dtype)
+    b = hf(args, model_dir, frames, dtype, device)
 
     o.pop("model")
     cfg = o.pop("cfg")
@@ -260,6 +267,7 @@ def main() -> None:
             "peak_gflops": peak / 1e9,
             "bandwidth_gbs": bandwidth / 1e9,
             "threads": torch.get_num_threads(),
+            "device": str(device),
         },
         "checkpoint": str(model_dir),
         "dtype": args.dtype,

@@ -38,7 +38,9 @@ class EngineArgs:
     auto_itl_factor: float = 1.25  # "auto" target = this x the predicted decode-only step
     encoder_cache_size: int = 16384  # image embeddings (tokens) kept for reuse
     enable_chunked_encoder: bool = True  # image encoding advanced under the step budget
-    encoder_rows_per_item: int = 64  # granularity of encoder work (patch rows per item)
+    # granularity of encoder work (patch rows per item); None: 64 on CPU (256 where bf16 is
+    # emulated), whole stages on GPUs
+    encoder_rows_per_item: int | None = None
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU (None: torch default)
     max_queue_len: int = 0  # 0: unbounded waiting queue
@@ -89,7 +91,8 @@ HELP = {
     "auto_itl_factor": "with --target-itl-ms auto: target = factor x decode-only step time",
     "encoder_cache_size": "image embeddings (in tokens) kept for reuse",
     "enable_chunked_encoder": "advance image encoding under the step budget (off: whole image)",
-    "encoder_rows_per_item": "patch rows per unit of encoder work (smaller: finer steps)",
+    "encoder_rows_per_item": "patch rows per unit of encoder work (smaller: finer steps; 0: whole "
+    "stages; default 64 on CPU, 256 where bf16 is emulated, 0 on GPUs)",
     "seed": "global seed (per-request seeds come from SamplingParams)",
     "num_threads": "torch CPU threads (default: torch's choice)",
     "max_queue_len": "waiting requests before new ones are refused (0: unbounded)",

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.device import attention_backends
 from engine.kernels import load_cpu_decode
 from engine.layers.attention import build_attention_metadata, padded_block_tables
 from engine.sampler import sample
@@ -69,9 +70,11 @@ class ModelRunner:
 
     # decode-only steps of up to this many rows run the fused kernel: its dot-product GEMV up
     # to GEMV_MAX_ROWS rows, oneDNN's packed GEMM (called from the kernel) past that; without
-    # packed weights the kernel stops at 8 rows
+    # packed weights (CPUs without bf16 arithmetic, whose oneDNN bf16 GEMM is emulated and
+    # slower than the kernel's GEMV at any decode batch) the kernel takes up to 16 rows
     FUSED_DECODE_MAX_ROWS = 256
     GEMV_MAX_ROWS = 4
+    UNPACKED_MAX_ROWS = 16
 
     @property
     def fused_decode_rows(self) -> int:
@@ -91,7 +94,9 @@ class ModelRunner:
             if packed is not None:
                 layer += packed[4 * i : 4 * (i + 1)]
             layers.append(layer)
-        self._fused_rows = self.FUSED_DECODE_MAX_ROWS if packed is not None else 8
+        self._fused_rows = (
+            self.FUSED_DECODE_MAX_ROWS if packed is not None else self.UNPACKED_MAX_ROWS
+        )
         text = self.model.text_config
         try:
             return kernels.FusedDecoder(
@@ -116,6 +121,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
+        with attention_backends(self.device):
+            return self._execute(sched)
+
+    def _execute(self, sched: SchedulerOutput) -> StepResult:
         for h in sched.evicted_encoder_hashes:
             self.encoder_outputs.pop(h, None)
             self.encode_jobs.pop(h, None)

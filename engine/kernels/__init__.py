@@ -1,11 +1,14 @@
 """Native CPU kernels, compiled on first use with the machine's C++ compiler.
 
 The fused decode step (``cpu_decode.cpp``) and the fused prefill attention
-(``cpu_attention.cpp``) are optional: without a compiler, on a CPU without
-AVX512-BF16, or when the build fails, :func:`load_cpu_decode` returns ``None`` and the engine
-runs its eager PyTorch path, which gives the same tokens up to bf16 rounding. The build is
-cached by PyTorch under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) and
-reused until the source changes; ``python -m engine.kernels`` builds it ahead of time.
+(``cpu_attention.cpp``) are optional: without a compiler, on a CPU without AVX-512, or when
+the build fails, :func:`load_cpu_decode` returns ``None`` and the engine runs its eager
+PyTorch path, which gives the same tokens up to bf16 rounding. CPUs with AVX512-BF16 get the
+bf16 dot-product instruction; plain AVX-512 CPUs (Skylake-X, Ice Lake) a build that emulates
+it (``simd.h``): there bf16 matmuls in oneDNN are emulated too, and the kernels matter most.
+The build is cached by PyTorch under ``$TORCH_EXTENSIONS_DIR`` (default
+``~/.cache/torch_extensions``) and reused until the source changes; ``python -m
+engine.kernels`` builds it ahead of time.
 """
 
 from __future__ import annotations
@@ -24,16 +27,25 @@ log = logging.getLogger("engine.kernels")
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.cpp", "cpu_attention.cpp")]
 _HEADERS = [Path(__file__).with_name("simd.h")]
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp"]
 DISABLE_ENV = "VISION_SERVE_DISABLE_CPU_KERNELS"
 
 
-def cpu_supports_avx512_bf16() -> bool:
-    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+def _cpu_probe(name: str) -> bool:
+    probe = getattr(torch.cpu, name, None)
     try:
         return bool(probe and probe())
     except Exception:
         return False
+
+
+def cpu_supports_avx512_bf16() -> bool:
+    return _cpu_probe("_is_avx512_bf16_supported")
+
+
+def cpu_supports_avx512() -> bool:
+    """AVX-512 F/BW/VL/DQ, as PyTorch's own AVX512 kernels require."""
+    return _cpu_probe("_is_avx512_supported")
 
 
 @functools.cache
@@ -42,9 +54,10 @@ def load_cpu_decode() -> ModuleType | None:
     if os.environ.get(DISABLE_ENV, "").lower() in ("1", "true", "yes"):
         log.info("cpu kernels disabled by %s", DISABLE_ENV)
         return None
-    if not cpu_supports_avx512_bf16():
-        log.info("cpu kernels skipped: this CPU has no AVX512-BF16")
+    if not cpu_supports_avx512():
+        log.info("cpu kernels skipped: this CPU has no AVX-512")
         return None
+    native_bf16 = cpu_supports_avx512_bf16()
     from torch.utils.cpp_extension import load
 
     # PyTorch rebuilds when the sources or flags change, not the headers: their hash goes in
@@ -53,14 +66,23 @@ def load_cpu_decode() -> ModuleType | None:
     t0 = time.perf_counter()
     try:
         module = load(
-            name="vision_serve_cpu_decode",
+            # one build per variant: a home directory shared across CPUs keeps both
+            name="vision_serve_cpu_decode" + ("" if native_bf16 else "_bf16_emulated"),
             sources=[str(p) for p in _SOURCES],
-            extra_cflags=[*_FLAGS, f"-DVS_HEADERS_{headers}"],
+            extra_cflags=[
+                *_FLAGS,
+                *(["-mavx512bf16"] if native_bf16 else []),
+                f"-DVS_HEADERS_{headers}",
+            ],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as exc:
         log.warning("cpu kernels unavailable, using the eager path: %s", exc)
         return None
-    log.info("cpu kernels ready in %.1f s", time.perf_counter() - t0)
+    log.info(
+        "cpu kernels ready in %.1f s (bf16 dot products %s)",
+        time.perf_counter() - t0,
+        "native" if native_bf16 else "emulated",
+    )
     return module

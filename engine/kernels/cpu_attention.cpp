@@ -1,4 +1,4 @@
-// Fused bf16 attention for prefill-sized inputs (vision tower, prompt chunks) on AVX512-BF16.
+// Fused bf16 attention for prefill-sized inputs (vision tower, prompt chunks) on AVX-512.
 //
 // Why: without AMX, PyTorch's CPU flash kernel runs bf16 at the fp32 rate, and the two-bmm
 // alternative spends ~40 % of its time writing, softmaxing and re-reading the score matrix.
@@ -22,7 +22,12 @@ namespace {
 
 using bf16 = at::BFloat16;
 
+inline float f32(bf16 v) { return static_cast<float>(v); }
+
+using vs_simd::dot_bf16_pairs;
 using vs_simd::exp16;
+using vs_simd::to_bf16;
+using vs_simd::widen_pairs;
 
 inline uint32_t pair(const bf16* a, const bf16* b) {
   uint16_t lo, hi;
@@ -40,6 +45,23 @@ inline __m512i broadcast_pair(const void* p) {
 constexpr int kTile = 64;    // keys per online-softmax update
 constexpr int kSub = kTile / 16;
 
+// 32-bit words per packed pair of keys/values. With AVX512-BF16 a pair is two bf16 in one word.
+// Emulated, pack_kv widens once to fp32 (two words: the even element's vector of 16, then the
+// odd one's), so the tiles below do no integer work on keys or values: at 64 keys per tile
+// that widening had cost as many instructions as the FMAs it fed.
+// Likewise queries and probabilities: bf16 pairs broadcast into vdpbf16ps natively; fp32
+// (queries widened once per row block, probabilities never rounded) broadcast from memory,
+// a load-port operation, when emulated.
+#ifdef __AVX512BF16__
+constexpr int64_t kWords = 1;
+using QElem = bf16;
+using Prob = uint16_t;
+#else
+constexpr int64_t kWords = 2;
+using QElem = float;
+using Prob = float;
+#endif
+
 struct Problem {
   const bf16* q;
   bf16* out;
@@ -54,19 +76,33 @@ struct Problem {
 // registers, one 64-byte key load feeding R vdpbf16ps. Out of line, with its own registers:
 // inlined into the tile loop, GCC kept writing the accumulators back to the stack every step.
 template <int R>
-__attribute__((noinline)) void qk_tile(const bf16* const* qrow, const uint32_t* kt,
+__attribute__((noinline)) void qk_tile(const QElem* const* qrow, const uint32_t* kt,
                                        int64_t dp_count, float (*scores)[kTile]) {
   __m512 s[R][kSub];
   for (int r = 0; r < R; ++r)
     for (int u = 0; u < kSub; ++u) s[r][u] = _mm512_setzero_ps();
   for (int64_t p = 0; p < dp_count; ++p) {
+#ifdef __AVX512BF16__
     __m512i qb[R];
     for (int r = 0; r < R; ++r) qb[r] = broadcast_pair(qrow[r] + 2 * p);
     for (int u = 0; u < kSub; ++u) {
       const __m512i kv = _mm512_loadu_si512(kt + (u * dp_count + p) * 16);
       for (int r = 0; r < R; ++r)
-        s[r][u] = _mm512_dpbf16_ps(s[r][u], (__m512bh)kv, (__m512bh)qb[r]);
+        s[r][u] = dot_bf16_pairs(s[r][u], kv, qb[r]);
     }
+#else
+    __m512 q_even[R], q_odd[R];
+    for (int r = 0; r < R; ++r) {
+      q_even[r] = _mm512_set1_ps(qrow[r][2 * p]);
+      q_odd[r] = _mm512_set1_ps(qrow[r][2 * p + 1]);
+    }
+    for (int u = 0; u < kSub; ++u) {
+      const float* kw = reinterpret_cast<const float*>(kt) + (u * dp_count + p) * 32;
+      const __m512 k_even = _mm512_loadu_ps(kw), k_odd = _mm512_loadu_ps(kw + 16);
+      for (int r = 0; r < R; ++r)
+        s[r][u] = _mm512_fmadd_ps(k_odd, q_odd[r], _mm512_fmadd_ps(k_even, q_even[r], s[r][u]));
+    }
+#endif
   }
   for (int r = 0; r < R; ++r)
     for (int u = 0; u < kSub; ++u) _mm512_store_ps(scores[r] + 16 * u, s[r][u]);
@@ -74,7 +110,7 @@ __attribute__((noinline)) void qk_tile(const bf16* const* qrow, const uint32_t* 
 
 // o[r] = o[r] * alpha[r] + p_r . V over the tile's key pairs (R x ND accumulators)
 template <int ND, int R>
-__attribute__((noinline)) void pv_tile(float* o, const float* alpha, const uint16_t (*probs)[kTile],
+__attribute__((noinline)) void pv_tile(float* o, const float* alpha, const Prob (*probs)[kTile],
                                        const uint32_t* vt, int64_t pairs) {
   constexpr int64_t D = ND * 16;
   __m512 acc[R][ND];
@@ -82,13 +118,27 @@ __attribute__((noinline)) void pv_tile(float* o, const float* alpha, const uint1
     for (int d = 0; d < ND; ++d)
       acc[r][d] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + 16 * d), _mm512_set1_ps(alpha[r]));
   for (int64_t i = 0; i < pairs; ++i) {
+#ifdef __AVX512BF16__
     __m512i pb[R];
     for (int r = 0; r < R; ++r) pb[r] = broadcast_pair(probs[r] + 2 * i);
     for (int d = 0; d < ND; ++d) {
       const __m512i vv = _mm512_loadu_si512(vt + i * D + 16 * d);
       for (int r = 0; r < R; ++r)
-        acc[r][d] = _mm512_dpbf16_ps(acc[r][d], (__m512bh)vv, (__m512bh)pb[r]);
+        acc[r][d] = dot_bf16_pairs(acc[r][d], vv, pb[r]);
     }
+#else
+    __m512 p_even[R], p_odd[R];
+    for (int r = 0; r < R; ++r) {
+      p_even[r] = _mm512_set1_ps(probs[r][2 * i]);
+      p_odd[r] = _mm512_set1_ps(probs[r][2 * i + 1]);
+    }
+    for (int d = 0; d < ND; ++d) {
+      const float* vw = reinterpret_cast<const float*>(vt) + i * 2 * D + 16 * d;
+      const __m512 v_even = _mm512_loadu_ps(vw), v_odd = _mm512_loadu_ps(vw + D);
+      for (int r = 0; r < R; ++r)
+        acc[r][d] = _mm512_fmadd_ps(v_odd, p_odd[r], _mm512_fmadd_ps(v_even, p_even[r], acc[r][d]));
+    }
+#endif
   }
   for (int r = 0; r < R; ++r)
     for (int d = 0; d < ND; ++d) _mm512_storeu_ps(o + r * D + 16 * d, acc[r][d]);
@@ -113,28 +163,41 @@ void attend(const Problem& P) {
   const __m512 vscale = _mm512_set1_ps(P.scale);
   const __m512i lane_idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   at::parallel_for(0, Hq * row_blocks, 1, [&](int64_t t0, int64_t t1) {
-    alignas(64) uint16_t probs[R][kTile];
+    alignas(64) Prob probs[R][kTile];
     std::vector<float> o_mem(kBlock * D);
+#ifndef __AVX512BF16__
+    std::vector<float> q_wide(kBlock * D);
+#endif
     float row_max[kBlock], row_sum[kBlock];
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t h = task / row_blocks, b0 = (task % row_blocks) * kBlock;
       const int64_t block_rows = std::min<int64_t>(kBlock, n - b0), hk = h / G;
-      const uint32_t* kh = kpk + hk * (m_pad / 16) * dp_count * 16;
-      const uint32_t* vh = vpk + hk * (m_pad / 2) * D;
+      const uint32_t* kh = kpk + hk * (m_pad / 16) * dp_count * 16 * kWords;
+      const uint32_t* vh = vpk + hk * (m_pad / 2) * D * kWords;
       std::fill(o_mem.begin(), o_mem.end(), 0.f);
       std::fill(row_max, row_max + kBlock, -INFINITY);
       std::fill(row_sum, row_sum + kBlock, 0.f);
+#ifndef __AVX512BF16__
+      for (int64_t r = 0; r < block_rows; ++r)
+        for (int64_t d = 0; d < D; ++d) q_wide[r * D + d] = f32(qp[((b0 + r) * Hq + h) * D + d]);
+#endif
       const int64_t block_last = causal ? std::min(m - 1, offset + b0 + block_rows - 1) : m - 1;
       for (int64_t j0 = 0; j0 <= block_last; j0 += kTile) {
-        const uint32_t* kt = kh + (j0 / 16) * dp_count * 16;
-        const uint32_t* vt = vh + (j0 / 2) * D;
+        const uint32_t* kt = kh + (j0 / 16) * dp_count * 16 * kWords;
+        const uint32_t* vt = vh + (j0 / 2) * D * kWords;
         for (int64_t r0 = b0; r0 < b0 + block_rows; r0 += R) {
           const int64_t rows = std::min<int64_t>(R, b0 + block_rows - r0);
           const int64_t last_key = causal ? std::min(m - 1, offset + r0 + rows - 1) : m - 1;
           if (j0 > last_key) continue;  // causal: this tile is in every row's future
-          const bf16* qrow[R];
-          for (int r = 0; r < R; ++r)
-            qrow[r] = qp + ((r0 + std::min<int64_t>(r, rows - 1)) * Hq + h) * D;
+          const QElem* qrow[R];
+          for (int r = 0; r < R; ++r) {
+            const int64_t q_row = r0 + std::min<int64_t>(r, rows - 1);
+#ifdef __AVX512BF16__
+            qrow[r] = qp + (q_row * Hq + h) * D;
+#else
+            qrow[r] = q_wide.data() + (q_row - b0) * D;
+#endif
+          }
           alignas(64) float sc[R][kTile];
           qk_tile<R>(qrow, kt, dp_count, sc);
           float alphas[R];
@@ -164,8 +227,11 @@ void attend(const Problem& P) {
                 const __m512 e =
                     exp16(_mm512_sub_ps(_mm512_load_ps(sc[r] + 16 * u), _mm512_set1_ps(new_max)));
                 sum = _mm512_add_ps(sum, e);
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs[r] + 16 * u),
-                                    (__m256i)_mm512_cvtneps_pbh(e));
+#ifdef __AVX512BF16__
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs[r] + 16 * u), to_bf16(e));
+#else
+                _mm512_store_ps(probs[r] + 16 * u, e);
+#endif
               }
               row_sum[row] = row_sum[row] * alpha + _mm512_reduce_add_ps(sum);
             }
@@ -181,7 +247,7 @@ void attend(const Problem& P) {
         for (int d = 0; d < ND; ++d)
           _mm256_storeu_si256(
               reinterpret_cast<__m256i*>(dst + 16 * d),
-              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o_mem.data() + r * D + 16 * d), inv)));
+              to_bf16(_mm512_mul_ps(_mm512_loadu_ps(o_mem.data() + r * D + 16 * d), inv)));
       }
     }
   });
@@ -203,24 +269,25 @@ std::vector<at::Tensor> pack_kv(const at::Tensor& k_in, const at::Tensor& v_in) 
   TORCH_CHECK(D % 16 == 0 && D <= 128, "head_dim must be 16..128, step 16");
   const int64_t m_pad = (m + kTile - 1) / kTile * kTile, dp_count = D / 2;
   auto opts = k.options().dtype(at::kInt);
-  at::Tensor kpk_t = at::empty({Hk, m_pad / 16, dp_count, 16}, opts);
-  at::Tensor vpk_t = at::empty({Hk, m_pad / 2, D}, opts);
+  at::Tensor kpk_t = at::empty({Hk, m_pad / 16, dp_count, 16 * kWords}, opts);
+  at::Tensor vpk_t = at::empty({Hk, m_pad / 2, D * kWords}, opts);
   uint32_t* kpk = reinterpret_cast<uint32_t*>(kpk_t.data_ptr<int32_t>());
   uint32_t* vpk = reinterpret_cast<uint32_t*>(vpk_t.data_ptr<int32_t>());
   const bf16* kp = k.data_ptr<bf16>();
   const bf16* vp = v.data_ptr<bf16>();
-  const bf16 zero(0.f);
   at::parallel_for(0, Hk * (m_pad / 16), 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t h = t / (m_pad / 16), j0 = (t % (m_pad / 16)) * 16;
-      uint32_t* dst = kpk + t * dp_count * 16;
+      uint32_t* dst = kpk + t * dp_count * 16 * kWords;
+      uint32_t* vdst = vpk + (h * (m_pad / 2) + j0 / 2) * D * kWords;
+#ifdef __AVX512BF16__
+      const bf16 zero(0.f);
       for (int64_t lane = 0; lane < 16; ++lane) {
         const int64_t j = j0 + lane;
         const bf16* row = j < m ? kp + (j * Hk + h) * D : nullptr;
         for (int64_t p = 0; p < dp_count; ++p)
           dst[p * 16 + lane] = row ? pair(row + 2 * p, row + 2 * p + 1) : 0u;
       }
-      uint32_t* vdst = vpk + (h * (m_pad / 2) + j0 / 2) * D;
       for (int64_t i = 0; i < 8; ++i) {
         const int64_t j = j0 + 2 * i;
         const bf16* a = j < m ? vp + (j * Hk + h) * D : nullptr;
@@ -228,6 +295,24 @@ std::vector<at::Tensor> pack_kv(const at::Tensor& k_in, const at::Tensor& v_in) 
         for (int64_t d = 0; d < D; ++d)
           vdst[i * D + d] = pair(a ? a + d : &zero, b ? b + d : &zero);
       }
+#else
+      // keys: per dimension pair p, 16 keys' even elements then their odd ones; values: the
+      // rows of each key pair one after the other (pv reads v[2i, d..] and v[2i + 1, d..])
+      float* kf = reinterpret_cast<float*>(dst);
+      for (int64_t lane = 0; lane < 16; ++lane) {
+        const int64_t j = j0 + lane;
+        const bf16* row = j < m ? kp + (j * Hk + h) * D : nullptr;
+        for (int64_t p = 0; p < dp_count; ++p) {
+          kf[p * 32 + lane] = row ? f32(row[2 * p]) : 0.f;
+          kf[p * 32 + 16 + lane] = row ? f32(row[2 * p + 1]) : 0.f;
+        }
+      }
+      float* vf = reinterpret_cast<float*>(vdst);
+      for (int64_t j = j0; j < j0 + 16; ++j) {
+        const bf16* row = j < m ? vp + (j * Hk + h) * D : nullptr;
+        for (int64_t d = 0; d < D; ++d) vf[(j - j0) * D + d] = row ? f32(row[d]) : 0.f;
+      }
+#endif
     }
   });
   return {kpk_t, vpk_t, at::scalar_tensor(m, opts.dtype(at::kLong))};
@@ -244,7 +329,7 @@ at::Tensor attend_packed(const at::Tensor& q_in, const std::vector<at::Tensor>& 
   const at::Tensor &kpk = packed[0], &vpk = packed[1];
   const int64_t n = q.size(0), Hq = q.size(1), D = q.size(2), m = packed[2].item<int64_t>();
   const int64_t Hk = kpk.size(0), m_pad = kpk.size(1) * 16;
-  TORCH_CHECK(kpk.size(2) * 2 == D && vpk.size(2) == D, "q and k head dims differ");
+  TORCH_CHECK(kpk.size(2) * 2 == D && vpk.size(2) == D * kWords, "q and k head dims differ");
   TORCH_CHECK(Hq % Hk == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(!causal || m >= n, "causal: the queries are the last n of the m keys");
   at::Tensor out = at::empty({n, Hq, D}, q.options());

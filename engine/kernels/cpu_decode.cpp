@@ -1,4 +1,5 @@
-// Fused decode step of a Qwen2-style decoder for x86 CPUs with AVX512-BF16.
+// Fused decode step of a Qwen2-style decoder for x86 CPUs with AVX-512 (BF16 native or
+// emulated: simd.h).
 //
 // Why: a decode step with a handful of rows is memory-bound, and in eager PyTorch a third of
 // its time went to ~1,100 small ops (norms, rotary, cache gathers) and Python between the
@@ -38,6 +39,7 @@ inline __m512 load16(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+using vs_simd::dot_bf16_pairs;
 using vs_simd::exp16;
 
 // out[i] = sum of the 16 lanes of v[i]: a transpose-and-add tree, ~3 instructions per vector
@@ -59,14 +61,42 @@ inline __m512 hsum16(const __m512* v) {
                        _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
 }
 
+// The activations of a GEMV as the dot-product kernel reads them. With AVX512-BF16, the bf16
+// rows as they are. Emulated, each row is widened once per matrix to fp32, 16 even then 16 odd
+// elements per 32: a weight vector then costs two FMAs per row, not two FMAs plus four integer
+// ops to widen the same activations again for every weight row.
+struct Activations {
+  Activations(int rows, const bf16* x_in, int64_t K_in) : M(rows), K(K_in), x(x_in) {
+#ifndef __AVX512BF16__
+    wide.resize(static_cast<size_t>(M) * K);
+    const int64_t k_vec = K / 32 * 32;
+    for (int m = 0; m < M; ++m)
+      for (int64_t k = 0; k < k_vec; k += 32) {
+        __m512 even, odd;
+        vs_simd::widen_pairs(_mm512_loadu_si512(x + m * K + k), even, odd);
+        _mm512_storeu_ps(wide.data() + m * K + k, even);
+        _mm512_storeu_ps(wide.data() + m * K + k + 16, odd);
+      }
+#endif
+  }
+  int M;
+  int64_t K;
+  const bf16* x;
+#ifndef __AVX512BF16__
+  std::vector<float> wide;
+#endif
+};
+
 // acc[m][n - n0] = dot(x[m, :], w[n, :]) for n in [n0, n1): every weight row is read once and
-// used for all M rows. One vdpbf16ps chain is latency-bound, so U slices of K are accumulated
+// used for all M rows. One dot-product chain is latency-bound, so U slices of K are accumulated
 // independently (with M >= 4 the rows themselves are enough chains). No software prefetch:
 // with weights on huge pages the hardware stream prefetcher does better (measured).
 template <int M, int U>
-void dot_rows(const bf16* x, const bf16* w, int64_t K, int64_t n0, int64_t n1, float* acc,
+void dot_rows(const Activations& xs, const bf16* w, int64_t n0, int64_t n1, float* acc,
               int64_t ld_acc) {
   constexpr int64_t step = 32 * U;
+  const int64_t K = xs.K;
+  const bf16* x = xs.x;
   const int64_t k_vec = K / step * step;
   for (int64_t n = n0; n < n1; ++n) {
     const bf16* wr = w + n * K;
@@ -75,11 +105,21 @@ void dot_rows(const bf16* x, const bf16* w, int64_t K, int64_t n0, int64_t n1, f
       for (int u = 0; u < U; ++u) a[m][u] = _mm512_setzero_ps();
     for (int64_t k = 0; k < k_vec; k += step) {
       for (int u = 0; u < U; ++u) {
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + k + 32 * u);
+        const __m512i wv = _mm512_loadu_si512(wr + k + 32 * u);
+#ifdef __AVX512BF16__
         for (int m = 0; m < M; ++m) {
-          const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k + 32 * u);
-          a[m][u] = _mm512_dpbf16_ps(a[m][u], wv, xv);
+          const __m512i xv = _mm512_loadu_si512(x + m * K + k + 32 * u);
+          a[m][u] = dot_bf16_pairs(a[m][u], wv, xv);
         }
+#else
+        __m512 w_even, w_odd;
+        vs_simd::widen_pairs(wv, w_even, w_odd);
+        for (int m = 0; m < M; ++m) {
+          const float* xw = xs.wide.data() + m * K + k + 32 * u;
+          a[m][u] = _mm512_fmadd_ps(w_even, _mm512_loadu_ps(xw), a[m][u]);
+          a[m][u] = _mm512_fmadd_ps(w_odd, _mm512_loadu_ps(xw + 16), a[m][u]);
+        }
+#endif
       }
     }
     for (int m = 0; m < M; ++m) {
@@ -92,20 +132,105 @@ void dot_rows(const bf16* x, const bf16* w, int64_t K, int64_t n0, int64_t n1, f
   }
 }
 
-void dot_rows_any(int M, const bf16* x, const bf16* w, int64_t K, int64_t n0, int64_t n1,
-                  float* acc, int64_t ld_acc) {
-  switch (M) {
-    case 1: return dot_rows<1, 4>(x, w, K, n0, n1, acc, ld_acc);
-    case 2: return dot_rows<2, 2>(x, w, K, n0, n1, acc, ld_acc);
-    case 3: return dot_rows<3, 1>(x, w, K, n0, n1, acc, ld_acc);
-    case 4: return dot_rows<4, 1>(x, w, K, n0, n1, acc, ld_acc);
-    case 5: return dot_rows<5, 1>(x, w, K, n0, n1, acc, ld_acc);
-    case 6: return dot_rows<6, 1>(x, w, K, n0, n1, acc, ld_acc);
-    case 7: return dot_rows<7, 1>(x, w, K, n0, n1, acc, ld_acc);
-    case 8: return dot_rows<8, 1>(x, w, K, n0, n1, acc, ld_acc);
-    default: TORCH_CHECK(false, "fused decode takes 1..8 rows, got ", M);
+#ifndef __AVX512BF16__
+// Emulated, 4+ rows: register blocks of 4 weight rows x MR activation rows. Row by row (above),
+// every FMA loaded its activation vector and 16 rows of widened activations overflow L1: at 16
+// rows that ran at a quarter of the FMA peak. Here each activation load feeds 4 weight rows,
+// each widened weight vector feeds MR rows, and a weight row group (8 KiB at K = 1024) stays
+// in L1 while the activation rows pass over it, so weights still come from memory once.
+template <int MR>
+void dot_block(const Activations& xs, const bf16* const* wr, int m0, float (*out)[4]) {
+  const int64_t K = xs.K, k_vec = K / 32 * 32;
+  __m512 a[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 4; ++j) a[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_vec; k += 32) {
+    __m512 w_even[4], w_odd[4];
+    for (int j = 0; j < 4; ++j) vs_simd::widen_pairs(_mm512_loadu_si512(wr[j] + k), w_even[j], w_odd[j]);
+    for (int i = 0; i < MR; ++i) {
+      const float* xw = xs.wide.data() + (m0 + i) * K + k;
+      const __m512 x_even = _mm512_loadu_ps(xw), x_odd = _mm512_loadu_ps(xw + 16);
+      for (int j = 0; j < 4; ++j)
+        a[i][j] = _mm512_fmadd_ps(w_odd[j], x_odd, _mm512_fmadd_ps(w_even[j], x_even, a[i][j]));
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 4; ++j) {
+      float total = _mm512_reduce_add_ps(a[i][j]);
+      for (int64_t k = k_vec; k < K; ++k) total += f32(wr[j][k]) * f32(xs.x[(m0 + i) * K + k]);
+      out[i][j] = total;
+    }
+}
+
+void dot_rows_blocked(const Activations& xs, const bf16* w, int64_t n0, int64_t n1, float* acc,
+                      int64_t ld_acc);
+#endif
+
+// Most rows the dot-product kernel takes (past that, oneDNN's packed GEMM or the eager path)
+constexpr int kMaxGemvRows = 16;
+
+void dot_rows_any(const Activations& xs, const bf16* w, int64_t n0, int64_t n1, float* acc,
+                  int64_t ld_acc) {
+#ifndef __AVX512BF16__
+  if (xs.M >= 4) return dot_rows_blocked(xs, w, n0, n1, acc, ld_acc);
+#endif
+  switch (xs.M) {
+    case 1: return dot_rows<1, 4>(xs, w, n0, n1, acc, ld_acc);
+    case 2: return dot_rows<2, 2>(xs, w, n0, n1, acc, ld_acc);
+    case 3: return dot_rows<3, 1>(xs, w, n0, n1, acc, ld_acc);
+    case 4: return dot_rows<4, 1>(xs, w, n0, n1, acc, ld_acc);
+    case 5: return dot_rows<5, 1>(xs, w, n0, n1, acc, ld_acc);
+    case 6: return dot_rows<6, 1>(xs, w, n0, n1, acc, ld_acc);
+    case 7: return dot_rows<7, 1>(xs, w, n0, n1, acc, ld_acc);
+    case 8: return dot_rows<8, 1>(xs, w, n0, n1, acc, ld_acc);
+    case 9: return dot_rows<9, 1>(xs, w, n0, n1, acc, ld_acc);
+    case 10: return dot_rows<10, 1>(xs, w, n0, n1, acc, ld_acc);
+    case 11: return dot_rows<11, 1>(xs, w, n0, n1, acc, ld_acc);
+    case 12: return dot_rows<12, 1>(xs, w, n0, n1, acc, ld_acc);
+    case 13: return dot_rows<13, 1>(xs, w, n0, n1, acc, ld_acc);
+    case 14: return dot_rows<14, 1>(xs, w, n0, n1, acc, ld_acc);
+    case 15: return dot_rows<15, 1>(xs, w, n0, n1, acc, ld_acc);
+    case 16: return dot_rows<16, 1>(xs, w, n0, n1, acc, ld_acc);
+    default: TORCH_CHECK(false, "the dot-product kernel takes 1..", kMaxGemvRows, " rows, got ", xs.M);
   }
 }
+
+#ifndef __AVX512BF16__
+void dot_rows_blocked(const Activations& xs, const bf16* w, int64_t n0, int64_t n1, float* acc,
+                      int64_t ld_acc) {
+  const int64_t K = xs.K;
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    const bf16* wr[4] = {w + n * K, w + (n + 1) * K, w + (n + 2) * K, w + (n + 3) * K};
+    for (int m0 = 0; m0 < xs.M; m0 += 4) {
+      float out[4][4];
+      const int mr = std::min(4, xs.M - m0);
+      switch (mr) {
+        case 1: dot_block<1>(xs, wr, m0, out); break;
+        case 2: dot_block<2>(xs, wr, m0, out); break;
+        case 3: dot_block<3>(xs, wr, m0, out); break;
+        default: dot_block<4>(xs, wr, m0, out); break;
+      }
+      for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < 4; ++j) acc[(m0 + i) * ld_acc + (n + j - n0)] = out[i][j];
+    }
+  }
+  for (; n < n1; ++n) {  // the last 1..3 weight rows: the same block with a row repeated
+    const bf16* wr[4] = {w + n * K, w + n * K, w + n * K, w + n * K};
+    for (int m0 = 0; m0 < xs.M; m0 += 4) {
+      float out[4][4];
+      const int mr = std::min(4, xs.M - m0);
+      switch (mr) {
+        case 1: dot_block<1>(xs, wr, m0, out); break;
+        case 2: dot_block<2>(xs, wr, m0, out); break;
+        case 3: dot_block<3>(xs, wr, m0, out); break;
+        default: dot_block<4>(xs, wr, m0, out); break;
+      }
+      for (int i = 0; i < mr; ++i) acc[(m0 + i) * ld_acc + (n - n0)] = out[i][0];
+    }
+  }
+}
+#endif
 
 // Copies ``tensors`` into one 2 MiB-aligned arena the kernel asks to be backed by huge pages.
 // Weight streaming is the whole cost of a decode step, and on 4 KiB pages the hardware
@@ -142,9 +267,10 @@ template <typename Epilogue>
 void matvec(int M, const bf16* x, const at::Tensor& w, int64_t N, Epilogue epilogue) {
   const int64_t K = w.size(1);
   const bf16* wp = w.data_ptr<bf16>();
+  const Activations xs(M, x, K);
   at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
     std::vector<float> acc(static_cast<size_t>(M) * (n1 - n0));
-    dot_rows_any(M, x, wp, K, n0, n1, acc.data(), n1 - n0);
+    dot_rows_any(xs, wp, n0, n1, acc.data(), n1 - n0);
     epilogue(n0, n1, acc.data());
   });
 }
@@ -218,7 +344,7 @@ void paged_decode_attention(int M, const bf16* q, int64_t q_stride, bf16* out, i
               for (int64_t c = 0; c < nc; ++c) {
                 const __m512i kv = _mm512_maskz_loadu_epi16(c == nc - 1 ? last : full,
                                                             keys[t] + head_off + 32 * c);
-                acc = _mm512_dpbf16_ps(acc, (__m512bh)kv, (__m512bh)qb[h * nc + c]);
+                acc = dot_bf16_pairs(acc, kv, qb[h * nc + c]);
               }
               part[t] = acc;
             }
@@ -340,14 +466,14 @@ class FusedDecoder {
  public:
   // layers: per layer [ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w, k_cache, v_cache] and,
   // optionally, oneDNN-packed [qkv, o, gate_up, down] (then lm_head_packed too): steps of more
-  // than gemv_max_rows rows use those; without them the decoder takes at most 8 rows.
+  // than gemv_max_rows rows use those; without them the decoder takes at most kMaxGemvRows.
   FusedDecoder(std::vector<std::vector<at::Tensor>> layers, at::Tensor final_norm,
                at::Tensor lm_head, std::optional<at::Tensor> lm_head_packed, int64_t num_heads,
                int64_t num_kv_heads, int64_t head_dim, double eps, int64_t gemv_max_rows)
       : final_norm_(final_norm.contiguous()),
         lm_head_(lm_head.contiguous()),
         lm_head_p_(lm_head_packed.value_or(at::Tensor())),
-        gemv_max_rows_(std::min<int64_t>(gemv_max_rows, 8)),
+        gemv_max_rows_(std::min<int64_t>(gemv_max_rows, kMaxGemvRows)),
         num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
         head_dim_(head_dim),
@@ -381,7 +507,8 @@ class FusedDecoder {
                      const at::Tensor& block_tables, const at::Tensor& context_lens,
                      int64_t block_size) {
     const int M = static_cast<int>(embeds.size(0));
-    TORCH_CHECK(M >= 1 && (M <= 8 || packed_), "without packed weights, 1..8 rows");
+    TORCH_CHECK(M >= 1 && (M <= kMaxGemvRows || packed_), "without packed weights, 1..", kMaxGemvRows,
+                " rows");
     const int64_t H = hidden_, D = head_dim_, I = intermediate_;
     const int64_t q_size = num_heads_ * D;
     at::Tensor x_t = embeds.to(at::kBFloat16).contiguous().clone();
@@ -440,11 +567,12 @@ class FusedDecoder {
         // gate rows [0, I) and up rows [I, 2I) of the same range in one task, so the
         // activation is applied as soon as both halves are there
         const bf16* gu = L.gate_up_w.data_ptr<bf16>();
+        const Activations hs(M, h, H);
         at::parallel_for(0, I, kGrain, [&](int64_t n0, int64_t n1) {
           const int64_t n = n1 - n0;
           std::vector<float> g(static_cast<size_t>(M) * n), u(static_cast<size_t>(M) * n);
-          dot_rows_any(M, h, gu, H, n0, n1, g.data(), n);
-          dot_rows_any(M, h, gu, H, I + n0, I + n1, u.data(), n);
+          dot_rows_any(hs, gu, n0, n1, g.data(), n);
+          dot_rows_any(hs, gu, I + n0, I + n1, u.data(), n);
           for (int m = 0; m < M; ++m)
             for (int64_t i = 0; i < n; ++i)
               act[m * I + n0 + i] = silu_mul(g[m * n + i], u[m * n + i]);
@@ -538,7 +666,7 @@ class FusedDecoder {
   float eps_;
 };
 
-// y = x @ w.T in bf16 for 1..8 rows: exposed alone for tests and the GEMV benchmark
+// y = x @ w.T in bf16 for 1..16 rows: exposed alone for tests and the GEMV benchmark
 at::Tensor small_matmul(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "bf16 only");
   at::Tensor xc = x.contiguous(), wc = w.contiguous();

@@ -1,9 +1,45 @@
 // AVX-512 helpers shared by the CPU kernels (cpu_decode.cpp, cpu_attention.cpp).
+//
+// The kernels are written against two bf16 primitives. With AVX512-BF16 (Cooper Lake,
+// Sapphire Rapids, Zen 4 and later) they are single instructions; on plain AVX-512 CPUs
+// (Skylake-X, Ice Lake) the build omits -mavx512bf16 and they are emulated: a bf16 is the top
+// half of an fp32, so widening is a shift or a mask and the products are fp32 FMAs. Decode
+// stays memory-bound either way; attention runs about 2x slower than with the instruction.
 #pragma once
 
 #include <immintrin.h>
 
 namespace vs_simd {
+
+// the even and odd bf16 elements of 32 pairs as two vectors of 16 fp32
+inline void widen_pairs(__m512i v, __m512& even, __m512& odd) {
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// acc[i] += a[2i] * b[2i] + a[2i+1] * b[2i+1] over 32 bf16 pairs (vdpbf16ps)
+inline __m512 dot_bf16_pairs(__m512 acc, __m512i a, __m512i b) {
+#ifdef __AVX512BF16__
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+#else
+  __m512 a_even, a_odd, b_even, b_odd;
+  widen_pairs(a, a_even, a_odd);
+  widen_pairs(b, b_even, b_odd);
+  return _mm512_fmadd_ps(a_odd, b_odd, _mm512_fmadd_ps(a_even, b_even, acc));
+#endif
+}
+
+// 16 fp32 -> 16 bf16, round to nearest even (vcvtneps2bf16); inputs are finite
+inline __m256i to_bf16(__m512 x) {
+#ifdef __AVX512BF16__
+  return (__m256i)_mm512_cvtneps_pbh(x);
+#else
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+#endif
+}
 
 // exp for softmax inputs (<= 0 after the max is subtracted): Cody-Waite range reduction and a
 // degree-6 polynomial, ~2 ulp; scalef applies the power of two

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.device import cpu_has_fast_bf16
 from engine.errors import UnsupportedModelError
 from engine.kernels import load_cpu_decode
 from engine.layers.linear import cpu_packing_available, pack_linears
@@ -74,6 +75,10 @@ def load_model(
     model.visual = visual
     model.load_weights(iter_safetensors(model_dir))
     model.eval()
+    cpu_linears = device.type == "cpu" and pack_cpu_weights and cpu_packing_available(dtype)
+    # bf16 on a CPU without bf16 arithmetic: linears keep bf16 weights and widen them for
+    # prefill-sized products (engine.layers.linear.UpcastLinear)
+    emulated_bf16 = cpu_linears and dtype == torch.bfloat16 and not cpu_has_fast_bf16()
     if device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels:
         kernels = load_cpu_decode()
         if kernels is not None:  # before packing: the kernel reads plain row-major weights
@@ -82,15 +87,20 @@ def load_model(
             )
             model.set_cpu_kernels(kernels)
             log.info("native CPU kernels on (decode weights copied to huge pages)")
-            if pack_cpu_weights and cpu_packing_available(dtype):
-                # the vision tower's linears run once per 64-row work item: F.linear would
-                # re-lay-out each bf16 weight every time
-                log.info("packed %d vision linears into oneDNN layout", pack_linears(visual))
-    if device.type == "cpu" and pack_cpu_weights and cpu_packing_available(dtype):
-        if model.tie_word_embeddings:  # the packed head must not alias the embedding table
+    if cpu_linears and (model.cpu_kernels is not None or emulated_bf16):
+        # the vision tower's linears run once per 64-row work item: F.linear would re-lay-out
+        # (or, emulated, run at a fifth of the fp32 rate) each bf16 weight every time
+        log.info("replaced %d vision linears for the CPU", pack_linears(visual))
+    if cpu_linears:
+        if model.tie_word_embeddings and not emulated_bf16:
+            # the packed head must not alias the embedding table
             model.lm_head.weight = torch.nn.Parameter(model.embed_tokens.weight.detach().clone())
-        packed = pack_linears(model, skip_prefixes=("visual",))
-        log.info("packed %d decoder linears into oneDNN layout", packed)
+        replaced = pack_linears(model, skip_prefixes=("visual",))
+        log.info(
+            "replaced %d decoder linears (%s)",
+            replaced,
+            "bf16 widened to fp32 for prefill" if emulated_bf16 else "oneDNN-packed",
+        )
     log.info(
         "model_loaded arch=%s dtype=%s device=%s params=%.1fM secs=%.2f",
         arch,

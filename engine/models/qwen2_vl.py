@@ -217,8 +217,11 @@ class Qwen2VLModel(nn.Module):
         """Vision tower over several images at once; one embedding tensor per image."""
         if self.vision_impl == "engine":
             return self.vision_tower().encode(pixel_values, grid_thw)
-        dtype = next(self.visual.parameters()).dtype
-        out = self.visual(pixel_values.to(dtype), grid_thw=grid_thw)
+        weight = next(self.visual.parameters())
+        # the transformers tower derives its rotary positions from grid_thw on grid_thw's device
+        out = self.visual(
+            pixel_values.to(weight.device, weight.dtype), grid_thw=grid_thw.to(weight.device)
+        )
         merged = out.pooler_output if hasattr(out, "pooler_output") else out
         sizes = (grid_thw.prod(-1) // self.spatial_merge_size**2).tolist()
         return list(torch.split(merged, sizes))

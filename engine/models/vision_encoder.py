@@ -226,10 +226,10 @@ class VisionTower:
 
 
 def _linears(module: nn.Module) -> list[nn.Module]:
-    """Linear layers, plain or packed for oneDNN (bf16 CPU with engine.kernels)."""
-    from engine.layers.linear import PackedLinear
+    """Linear layers, plain or replaced for the CPU (``engine.layers.linear``)."""
+    from engine.layers.linear import CPU_LINEAR_TYPES
 
-    return [m for m in module.modules() if isinstance(m, nn.Linear | PackedLinear)]
+    return [m for m in module.modules() if isinstance(m, CPU_LINEAR_TYPES)]
 
 
 class VisionEncodeJob:

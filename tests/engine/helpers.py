@@ -9,6 +9,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from engine.device import resolve_device
+
 
 def noise_image(width: int, height: int, seed: int) -> Image.Image:
     rng = np.random.default_rng(seed)
@@ -26,11 +28,17 @@ def image_conv(text: str, *images: Image.Image) -> list[dict]:
 
 @cache
 def _hf(checkpoint: str):
+    """The reference runs where the engine's ``device="auto"`` runs, so that on a GPU machine
+    both sides use the same kernels (TF32 off: an fp32 reference must be fp32)."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
+    device = resolve_device("auto")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     processor = AutoProcessor.from_pretrained(checkpoint)
-    model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    return processor, model
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32)
+    return processor, model.to(device).eval()
 
 
 def hf_greedy(checkpoint: Path, conversation: list[dict], max_new_tokens: int) -> list[int]:
@@ -50,7 +58,7 @@ def hf_greedy(checkpoint: Path, conversation: list[dict], max_new_tokens: int) -
                 parts.append(part)
         hf_messages.append({"role": msg["role"], "content": parts})
     text = processor.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
-    enc = processor(text=[text], images=images or None, return_tensors="pt")
+    enc = processor(text=[text], images=images or None, return_tensors="pt").to(model.device)
     with torch.inference_mode():
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, enc["input_ids"].shape[1] :].tolist()

@@ -213,7 +213,7 @@ def test_native_flash_attention_matches_the_fused_kernel(tiny_checkpoint, max_ro
 
     kernels = load_cpu_decode()
     if kernels is None:
-        pytest.skip("needs AVX512-BF16 and a C++ compiler")
+        pytest.skip("needs AVX-512 and a C++ compiler")
     model, hf_config, arch = load_model(
         tiny_checkpoint, torch.bfloat16, torch.device("cpu"), cpu_kernels=False
     )

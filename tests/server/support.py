@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,10 +23,11 @@ from vision_serve.settings import ServerSettings
 API_KEY = "test-key"
 
 # Small step budget so that an image prompt takes several prefill chunks (the interesting case
-# for scheduling) while a short chat prompt fits in one.
+# for scheduling) while a short chat prompt fits in one. VISION_SERVE_TEST_DEVICE=cuda runs the
+# same tests against an engine on a GPU (scripts/gpu_check.sh).
 ENGINE_KWARGS: dict[str, Any] = {
     "dtype": "float32",
-    "device": "cpu",
+    "device": os.environ.get("VISION_SERVE_TEST_DEVICE", "cpu"),
     "max_num_batched_tokens": 64,
     "max_num_seqs": 32,
     "max_model_len": 1024,
