@@ -139,14 +139,19 @@ void dot_rows(const Activations& xs, const bf16* w, int64_t n0, int64_t n1, floa
 // each widened weight vector feeds MR rows, and a weight row group (8 KiB at K = 1024) stays
 // in L1 while the activation rows pass over it, so weights still come from memory once.
 template <int MR>
-void dot_block(const Activations& xs, const bf16* const* wr, int m0, float (*out)[4]) {
+void dot_block(const Activations& xs, const bf16* const* wr, const bf16* next, int m0,
+               float (*out)[4]) {
   const int64_t K = xs.K, k_vec = K / 32 * 32;
   __m512 a[MR][4];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < 4; ++j) a[i][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < k_vec; k += 32) {
+    if (next != nullptr)  // the next group's rows, one line of each per line consumed here
+      for (int j = 0; j < 4; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(next + j * K + k), _MM_HINT_T0);
     __m512 w_even[4], w_odd[4];
-    for (int j = 0; j < 4; ++j) vs_simd::widen_pairs(_mm512_loadu_si512(wr[j] + k), w_even[j], w_odd[j]);
+    for (int j = 0; j < 4; ++j)
+      vs_simd::widen_pairs(_mm512_loadu_si512(wr[j] + k), w_even[j], w_odd[j]);
     for (int i = 0; i < MR; ++i) {
       const float* xw = xs.wide.data() + (m0 + i) * K + k;
       const __m512 x_even = _mm512_loadu_ps(xw), x_odd = _mm512_loadu_ps(xw + 16);
@@ -191,7 +196,8 @@ void dot_rows_any(const Activations& xs, const bf16* w, int64_t n0, int64_t n1, 
     case 14: return dot_rows<14, 1>(xs, w, n0, n1, acc, ld_acc);
     case 15: return dot_rows<15, 1>(xs, w, n0, n1, acc, ld_acc);
     case 16: return dot_rows<16, 1>(xs, w, n0, n1, acc, ld_acc);
-    default: TORCH_CHECK(false, "the dot-product kernel takes 1..", kMaxGemvRows, " rows, got ", xs.M);
+    default:
+      TORCH_CHECK(false, "the dot-product kernel takes 1..", kMaxGemvRows, " rows, got ", xs.M);
   }
 }
 
@@ -202,14 +208,19 @@ void dot_rows_blocked(const Activations& xs, const bf16* w, int64_t n0, int64_t 
   int64_t n = n0;
   for (; n + 4 <= n1; n += 4) {
     const bf16* wr[4] = {w + n * K, w + (n + 1) * K, w + (n + 2) * K, w + (n + 3) * K};
+    // weights stream from memory in 4-row groups too short for the hardware prefetcher to
+    // ramp up on: the first activation block of each group fetches the next group's rows
+    // (8.2 GB/s without this at 16 rows)
+    const bf16* next = n + 8 <= n1 ? w + (n + 4) * K : nullptr;
     for (int m0 = 0; m0 < xs.M; m0 += 4) {
       float out[4][4];
       const int mr = std::min(4, xs.M - m0);
+      const bf16* pf = m0 == 0 ? next : nullptr;
       switch (mr) {
-        case 1: dot_block<1>(xs, wr, m0, out); break;
-        case 2: dot_block<2>(xs, wr, m0, out); break;
-        case 3: dot_block<3>(xs, wr, m0, out); break;
-        default: dot_block<4>(xs, wr, m0, out); break;
+        case 1: dot_block<1>(xs, wr, pf, m0, out); break;
+        case 2: dot_block<2>(xs, wr, pf, m0, out); break;
+        case 3: dot_block<3>(xs, wr, pf, m0, out); break;
+        default: dot_block<4>(xs, wr, pf, m0, out); break;
       }
       for (int i = 0; i < mr; ++i)
         for (int j = 0; j < 4; ++j) acc[(m0 + i) * ld_acc + (n + j - n0)] = out[i][j];
@@ -221,10 +232,10 @@ void dot_rows_blocked(const Activations& xs, const bf16* w, int64_t n0, int64_t 
       float out[4][4];
       const int mr = std::min(4, xs.M - m0);
       switch (mr) {
-        case 1: dot_block<1>(xs, wr, m0, out); break;
-        case 2: dot_block<2>(xs, wr, m0, out); break;
-        case 3: dot_block<3>(xs, wr, m0, out); break;
-        default: dot_block<4>(xs, wr, m0, out); break;
+        case 1: dot_block<1>(xs, wr, nullptr, m0, out); break;
+        case 2: dot_block<2>(xs, wr, nullptr, m0, out); break;
+        case 3: dot_block<3>(xs, wr, nullptr, m0, out); break;
+        default: dot_block<4>(xs, wr, nullptr, m0, out); break;
       }
       for (int i = 0; i < mr; ++i) acc[(m0 + i) * ld_acc + (n - n0)] = out[i][0];
     }
@@ -288,6 +299,121 @@ void rms_norm(const bf16* x, const bf16* weight, bf16* out, int64_t H, float eps
 // and a single long context still spreads over every core. Each task leaves per-head partial
 // softmax results (max, sum, unnormalised output) that are merged afterwards.
 // q: M rows of H heads x D (row stride q_stride); out: [M, H, D]; caches: [slots, KVH, D].
+// The query as key_scores reads it: bf16 pairs with AVX512-BF16 (one vector per 32 elements);
+// emulated, widened once per row to fp32 (its even and odd elements: two vectors)
+#ifdef __AVX512BF16__
+constexpr int64_t kQWords = 1;
+#else
+constexpr int64_t kQWords = 2;
+#endif
+
+// part[g * 16 + t] = 16 partial sums of q_g . k_t for the 16 keys of a tile and the G <= 8
+// query heads of one KV head (q: kQWords vectors per 32 elements per head, nc per head)
+template <int G>
+void key_scores_fixed(const bf16* const* keys, int64_t head_off, int64_t nc, __mmask32 last,
+                      const __m512* q, __m512* part) {
+  const __mmask32 full = ~__mmask32(0);
+  for (int t = 0; t < 16; ++t) {
+    __m512 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nc; ++c) {
+      const __m512i kv =
+          _mm512_maskz_loadu_epi16(c == nc - 1 ? last : full, keys[t] + head_off + 32 * c);
+#ifdef __AVX512BF16__
+      for (int g = 0; g < G; ++g)
+        acc[g] = dot_bf16_pairs(acc[g], kv, _mm512_castps_si512(q[g * nc + c]));
+#else
+      __m512 k_even, k_odd;
+      vs_simd::widen_pairs(kv, k_even, k_odd);
+      for (int g = 0; g < G; ++g) {
+        const __m512* qg = q + (g * nc + c) * 2;
+        acc[g] = _mm512_fmadd_ps(k_odd, qg[1], _mm512_fmadd_ps(k_even, qg[0], acc[g]));
+      }
+#endif
+    }
+    for (int g = 0; g < G; ++g) part[g * 16 + t] = acc[g];
+  }
+}
+
+void key_scores(int64_t G, const bf16* const* keys, int64_t head_off, int64_t nc, __mmask32 last,
+                const __m512* q, __m512* part) {
+  switch (G) {
+    case 1: return key_scores_fixed<1>(keys, head_off, nc, last, q, part);
+    case 2: return key_scores_fixed<2>(keys, head_off, nc, last, q, part);
+    case 3: return key_scores_fixed<3>(keys, head_off, nc, last, q, part);
+    case 4: return key_scores_fixed<4>(keys, head_off, nc, last, q, part);
+    case 5: return key_scores_fixed<5>(keys, head_off, nc, last, q, part);
+    case 6: return key_scores_fixed<6>(keys, head_off, nc, last, q, part);
+    case 7: return key_scores_fixed<7>(keys, head_off, nc, last, q, part);
+    default: return key_scores_fixed<8>(keys, head_off, nc, last, q, part);
+  }
+}
+
+// out[g][:] = sum_j probs[g][j] * v_j over the n slots, for the G query heads sharing one KV
+// head (probs[g] is a row of length ld). Templated on the accumulator count so they stay in
+// registers (head size <= 128: ND <= 8 slices of 16).
+template <int G, int ND>
+void weigh_values_fixed(const float* probs, int64_t ld, const bf16* v0, int64_t kv_size,
+                        const int64_t* slots, int64_t n, float* out) {
+  __m512 acc[G][ND];
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < ND; ++d) acc[g][d] = _mm512_setzero_ps();
+  // the slots are scattered (one cache block per 16 or so): the hardware prefetcher loses the
+  // stream at every block, so the rows a few keys ahead are asked for explicitly
+  constexpr int64_t kAhead = 8;
+  for (int64_t j = 0; j < n; ++j) {
+    const bf16* v = v0 + slots[j] * kv_size;
+    if (j + kAhead < n) {
+      const char* next = reinterpret_cast<const char*>(v0 + slots[j + kAhead] * kv_size);
+      for (int d = 0; d < ND; d += 2) _mm_prefetch(next + d * 32, _MM_HINT_T0);
+    }
+    __m512 p[G];
+    for (int g = 0; g < G; ++g) p[g] = _mm512_set1_ps(probs[g * ld + j]);
+    for (int d = 0; d < ND; ++d) {
+      const __m512 vv = load16(v + 16 * d);
+      for (int g = 0; g < G; ++g) acc[g][d] = _mm512_fmadd_ps(p[g], vv, acc[g][d]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < ND; ++d) _mm512_storeu_ps(out + (g * ND + d) * 16, acc[g][d]);
+}
+
+template <int ND>
+void weigh_values_nd(int64_t g, const float* probs, int64_t ld, const bf16* v0, int64_t kv_size,
+                     const int64_t* slots, int64_t n, float* out) {
+  switch (g) {
+    case 1: return weigh_values_fixed<1, ND>(probs, ld, v0, kv_size, slots, n, out);
+    case 2: return weigh_values_fixed<2, ND>(probs, ld, v0, kv_size, slots, n, out);
+    case 3: return weigh_values_fixed<3, ND>(probs, ld, v0, kv_size, slots, n, out);
+    case 4: return weigh_values_fixed<4, ND>(probs, ld, v0, kv_size, slots, n, out);
+    case 5: return weigh_values_fixed<5, ND>(probs, ld, v0, kv_size, slots, n, out);
+    case 6: return weigh_values_fixed<6, ND>(probs, ld, v0, kv_size, slots, n, out);
+    case 7: return weigh_values_fixed<7, ND>(probs, ld, v0, kv_size, slots, n, out);
+    default: return weigh_values_fixed<8, ND>(probs, ld, v0, kv_size, slots, n, out);
+  }
+}
+
+void weigh_values(int64_t G, int64_t nd, const float* probs, int64_t ld, const bf16* v0,
+                  int64_t kv_size, const int64_t* slots, int64_t n, float* out) {
+  // at most 24 accumulators (of 32 registers) per pass over the slots
+  const int64_t per_pass = std::max<int64_t>(1, std::min<int64_t>({G, 24 / nd, 8}));
+  for (int64_t g0 = 0; g0 < G; g0 += per_pass) {
+    const int64_t g = std::min(per_pass, G - g0);
+    const float* pg = probs + g0 * ld;
+    float* og = out + g0 * nd * 16;
+    switch (nd) {
+      case 1: weigh_values_nd<1>(g, pg, ld, v0, kv_size, slots, n, og); break;
+      case 2: weigh_values_nd<2>(g, pg, ld, v0, kv_size, slots, n, og); break;
+      case 3: weigh_values_nd<3>(g, pg, ld, v0, kv_size, slots, n, og); break;
+      case 4: weigh_values_nd<4>(g, pg, ld, v0, kv_size, slots, n, og); break;
+      case 5: weigh_values_nd<5>(g, pg, ld, v0, kv_size, slots, n, og); break;
+      case 6: weigh_values_nd<6>(g, pg, ld, v0, kv_size, slots, n, og); break;
+      case 7: weigh_values_nd<7>(g, pg, ld, v0, kv_size, slots, n, og); break;
+      default: weigh_values_nd<8>(g, pg, ld, v0, kv_size, slots, n, og); break;
+    }
+  }
+}
+
 void paged_decode_attention(int M, const bf16* q, int64_t q_stride, bf16* out, int64_t H,
                             int64_t KVH, int64_t D, const bf16* kc, const bf16* vc,
                             const int64_t* tab, const int64_t* len, int64_t max_blocks,
@@ -311,8 +437,7 @@ void paged_decode_attention(int M, const bf16* q, int64_t q_stride, bf16* out, i
     at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
       std::vector<float> scores;
       std::vector<int64_t> slots;
-      std::vector<__m512i> qb(H * nc);
-      std::vector<__m512> o(H * nd);
+      std::vector<__m512> qs(H * nc * kQWords), part(H * 16);
       for (int64_t task = t0; task < t1; ++task) {
         const int64_t m = std::upper_bound(first_task.begin(), first_task.end(), task) -
                           first_task.begin() - 1;
@@ -321,35 +446,38 @@ void paged_decode_attention(int M, const bf16* q, int64_t q_stride, bf16* out, i
         const int64_t n = i1 - i0, padded = (n + 15) / 16 * 16;
         const bf16* row = q + m * q_stride;
         for (int64_t h = 0; h < H; ++h)
-          for (int64_t c = 0; c < nc; ++c)
-            qb[h * nc + c] = _mm512_maskz_loadu_epi16(c == nc - 1 ? last : full,
-                                                      row + h * D + 32 * c);
+          for (int64_t c = 0; c < nc; ++c) {
+            const __m512i pairs =
+                _mm512_maskz_loadu_epi16(c == nc - 1 ? last : full, row + h * D + 32 * c);
+#ifdef __AVX512BF16__
+            qs[h * nc + c] = _mm512_castsi512_ps(pairs);
+#else
+            vs_simd::widen_pairs(pairs, qs[(h * nc + c) * 2], qs[(h * nc + c) * 2 + 1]);
+#endif
+          }
         slots.resize(n);  // walk the block table once, no division per key
         for (int64_t i = i0, b = i0 / block_size, off = i0 % block_size; i < i1; ++i) {
           slots[i - i0] = tab[m * max_blocks + b] * block_size + off;
           if (++off == block_size) off = 0, ++b;
         }
-        // scores[h][j]: 16 keys at a time, every head, reduced together by hsum16
+        // scores[h][j]: 16 keys at a time. Each key's slice for a KV head is loaded (and,
+        // emulated, widened) once for the query heads that share it; hsum16 then reduces a
+        // head's 16 keys together
         scores.resize(H * padded);
         for (int64_t j0 = 0; j0 < n; j0 += 16) {
           const int64_t cnt = std::min<int64_t>(16, n - j0);
           const bf16* keys[16];
           for (int64_t t = 0; t < 16; ++t)  // a short last tile repeats its last key
             keys[t] = kc + slots[j0 + std::min(t, cnt - 1)] * kv_size;
+          for (int64_t kvh = 0; kvh < KVH; ++kvh)
+            for (int64_t g0 = 0; g0 < G; g0 += 8)
+              key_scores(std::min<int64_t>(8, G - g0), keys, kvh * D, nc, last,
+                         qs.data() + (kvh * G + g0) * nc * kQWords,
+                         part.data() + (kvh * G + g0) * 16);
           for (int64_t h = 0; h < H; ++h) {
-            const int64_t head_off = (h / G) * D;
-            __m512 part[16];
-            for (int t = 0; t < 16; ++t) {
-              __m512 acc = _mm512_setzero_ps();
-              for (int64_t c = 0; c < nc; ++c) {
-                const __m512i kv = _mm512_maskz_loadu_epi16(c == nc - 1 ? last : full,
-                                                            keys[t] + head_off + 32 * c);
-                acc = dot_bf16_pairs(acc, kv, qb[h * nc + c]);
-              }
-              part[t] = acc;
-            }
             float* dst = scores.data() + h * padded + j0;
-            _mm512_storeu_ps(dst, _mm512_mul_ps(hsum16(part), _mm512_set1_ps(scale)));
+            _mm512_storeu_ps(dst,
+                             _mm512_mul_ps(hsum16(part.data() + h * 16), _mm512_set1_ps(scale)));
             for (int64_t t = cnt; t < 16; ++t) dst[t] = -INFINITY;
           }
         }
@@ -367,27 +495,13 @@ void paged_decode_attention(int M, const bf16* q, int64_t q_stride, bf16* out, i
           }
           part_max[task * H + h] = top;
           part_sum[task * H + h] = _mm512_reduce_add_ps(sum);
-          for (int64_t j = 0; j < nd; ++j) o[h * nd + j] = _mm512_setzero_ps();
         }
-        // weighted values: each slot's values for every head in one pass
-        std::vector<__m512> p(G);
-        for (int64_t j = 0; j < n; ++j) {
-          const bf16* v = vc + slots[j] * kv_size;
-          for (int64_t kvh = 0; kvh < KVH; ++kvh) {
-            for (int64_t g = 0; g < G; ++g)
-              p[g] = _mm512_set1_ps(scores[(kvh * G + g) * padded + j]);
-            for (int64_t d = 0; d < nd; ++d) {
-              const __m512 vv = load16(v + kvh * D + 16 * d);
-              for (int64_t g = 0; g < G; ++g) {
-                __m512& acc = o[(kvh * G + g) * nd + d];
-                acc = _mm512_fmadd_ps(p[g], vv, acc);
-              }
-            }
-          }
-        }
-        for (int64_t h = 0; h < H; ++h)
-          for (int64_t d = 0; d < nd; ++d)
-            _mm512_storeu_ps(part_out.data() + (task * H + h) * D + 16 * d, o[h * nd + d]);
+        // weighted values, one KV head's group of query heads at a time: its G x nd
+        // accumulators stay in registers (all heads' would not: every FMA was a load and a
+        // store, and a batch-16 step at 1,200 keys spent 1.5 ms per layer here)
+        for (int64_t kvh = 0; kvh < KVH; ++kvh)
+          weigh_values(G, nd, scores.data() + kvh * G * padded, padded, vc + kvh * D, kv_size,
+                       slots.data(), n, part_out.data() + (task * H + kvh * G) * D);
       }
     });
 
@@ -507,8 +621,8 @@ class FusedDecoder {
                      const at::Tensor& block_tables, const at::Tensor& context_lens,
                      int64_t block_size) {
     const int M = static_cast<int>(embeds.size(0));
-    TORCH_CHECK(M >= 1 && (M <= kMaxGemvRows || packed_), "without packed weights, 1..", kMaxGemvRows,
-                " rows");
+    TORCH_CHECK(M >= 1 && (M <= kMaxGemvRows || packed_), "without packed weights, 1..",
+                kMaxGemvRows, " rows");
     const int64_t H = hidden_, D = head_dim_, I = intermediate_;
     const int64_t q_size = num_heads_ * D;
     at::Tensor x_t = embeds.to(at::kBFloat16).contiguous().clone();
