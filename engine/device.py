@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
+import logging
+import sys
 from collections.abc import Iterator
 
 import torch
+
+log = logging.getLogger("engine")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -65,3 +71,30 @@ def attention_backends(device: torch.device) -> Iterator[None]:
     backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     with sdpa_kernel(backends):
         yield
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+
+
+def keep_freed_host_memory() -> None:
+    """Ask glibc to keep freed blocks of up to 32 MiB for reuse. A step allocates and frees
+    activations of a few MB; above glibc's mmap threshold each one was a fresh mapping that the
+    kernel zeroed page by page on first touch (4 % of a frame's vision encode, measured with
+    perf on a 2-core Ice Lake). Memory stays with the process, as a serving process wants."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None)
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20) and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
+    except (OSError, AttributeError):  # not glibc
+        return
+    if not ok:
+        log.debug("mallopt refused; keeping the allocator's defaults")
+
+
+def freeze_loaded_objects() -> None:
+    """Move everything alive after loading (torch, transformers, the model, the tokenizer) out of
+    the garbage collector's reach: it is never garbage, yet every young-generation collection
+    during serving walked it (3 % of a frame's vision encode in ``gc_collect_main``)."""
+    gc.collect()
+    gc.freeze()

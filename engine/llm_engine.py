@@ -15,7 +15,13 @@ import torch
 from engine.calibration import calibrate
 from engine.config import EngineArgs
 from engine.detokenizer import IncrementalDetokenizer
-from engine.device import cpu_has_fast_bf16, resolve_device, resolve_dtype
+from engine.device import (
+    cpu_has_fast_bf16,
+    freeze_loaded_objects,
+    keep_freed_host_memory,
+    resolve_device,
+    resolve_dtype,
+)
 from engine.encoder_cache import EncoderCacheManager
 from engine.errors import InvalidRequestError, PromptTooLongError, QueueFullError
 from engine.kv_cache_manager import KVCacheManager
@@ -38,8 +44,10 @@ class LLMEngine:
         self.args = args
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
-        if args.num_threads and self.device.type == "cpu":
-            torch.set_num_threads(args.num_threads)
+        if self.device.type == "cpu":
+            keep_freed_host_memory()
+            if args.num_threads:
+                torch.set_num_threads(args.num_threads)
         torch.manual_seed(args.seed)
         self.model_dir = Path(args.model)
         self.model_name = self.model_dir.name
@@ -98,6 +106,7 @@ class LLMEngine:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.last_step_idle = False  # the last step had nothing to run
         self.stats = EngineStats(kv_blocks_total=num_blocks)
+        freeze_loaded_objects()
         log.info(
             "engine_ready model=%s arch=%s dtype=%s device=%s kv_blocks=%d block_size=%d "
             "max_model_len=%d budget=%d chunked=%s",
