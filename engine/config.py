@@ -38,8 +38,8 @@ class EngineArgs:
     auto_itl_factor: float = 1.25  # "auto" target = this x the predicted decode-only step
     encoder_cache_size: int = 16384  # image embeddings (tokens) kept for reuse
     enable_chunked_encoder: bool = True  # image encoding advanced under the step budget
-    # granularity of encoder work (patch rows per item); None: 64 on CPU (256 where bf16 is
-    # emulated), whole stages on GPUs
+    # granularity of encoder work (patch rows per item); None: 64 on CPUs with bf16 arithmetic,
+    # 256 on other CPUs, whole stages on GPUs
     encoder_rows_per_item: int | None = None
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU (None: torch default)
@@ -92,7 +92,7 @@ HELP = {
     "encoder_cache_size": "image embeddings (in tokens) kept for reuse",
     "enable_chunked_encoder": "advance image encoding under the step budget (off: whole image)",
     "encoder_rows_per_item": "patch rows per unit of encoder work (smaller: finer steps; 0: whole "
-    "stages; default 64 on CPU, 256 where bf16 is emulated, 0 on GPUs)",
+    "stages; default 64 on CPUs with bf16 arithmetic, 256 on other CPUs, 0 on GPUs)",
     "seed": "global seed (per-request seeds come from SamplingParams)",
     "num_threads": "torch CPU threads (default: torch's choice)",
     "max_queue_len": "waiting requests before new ones are refused (0: unbounded)",
