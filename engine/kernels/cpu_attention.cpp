@@ -205,27 +205,36 @@ void attend(const Problem& P) {
             const int64_t row = r0 - b0 + r;
             // keys this row may see: all below m, with causal those <= its own position
             const int64_t limit = causal ? std::min(m - 1, offset + r0 + r) : m - 1;
+            // the tile's max of raw scores (scale > 0 keeps their order); only a tile that
+            // crosses the row's limit pays for masking
             __m512 mx = _mm512_set1_ps(-INFINITY);
-            for (int u = 0; u < kSub; ++u) {
-              const __m512i key = _mm512_add_epi32(lane_idx, _mm512_set1_epi32(j0 + 16 * u));
-              const __mmask16 ok =
-                  _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(limit)));
-              const __m512 x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), ok,
-                                                  _mm512_mul_ps(_mm512_load_ps(sc[r] + 16 * u), vscale));
-              _mm512_store_ps(sc[r] + 16 * u, x);
-              mx = _mm512_max_ps(mx, x);
+            if (j0 + kTile - 1 <= limit) {
+              for (int u = 0; u < kSub; ++u) mx = _mm512_max_ps(mx, _mm512_load_ps(sc[r] + 16 * u));
+            } else {
+              for (int u = 0; u < kSub; ++u) {
+                const __m512i key = _mm512_add_epi32(lane_idx, _mm512_set1_epi32(j0 + 16 * u));
+                const __mmask16 ok =
+                    _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(limit)));
+                const __m512 x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), ok,
+                                                    _mm512_load_ps(sc[r] + 16 * u));
+                _mm512_store_ps(sc[r] + 16 * u, x);
+                mx = _mm512_max_ps(mx, x);
+              }
             }
-            const float new_max = std::max(row_max[row], _mm512_reduce_max_ps(mx));
+            const float new_max = std::max(row_max[row], _mm512_reduce_max_ps(mx) * P.scale);
             float alpha = 1.f;
             if (new_max == -INFINITY) {  // nothing visible to this row yet
               std::memset(probs[r], 0, sizeof(probs[r]));
             } else {
-              alpha = row_max[row] == -INFINITY ? 0.f : std::exp(row_max[row] - new_max);
+              // the running max rarely moves after the first tiles: no exp when it stays
+              if (row_max[row] == -INFINITY) alpha = 0.f;
+              else if (new_max != row_max[row]) alpha = std::exp(row_max[row] - new_max);
               row_max[row] = new_max;
+              const __m512 top = _mm512_set1_ps(new_max);
               __m512 sum = _mm512_setzero_ps();
               for (int u = 0; u < kSub; ++u) {
                 const __m512 e =
-                    exp16(_mm512_sub_ps(_mm512_load_ps(sc[r] + 16 * u), _mm512_set1_ps(new_max)));
+                    exp16(_mm512_fmsub_ps(_mm512_load_ps(sc[r] + 16 * u), vscale, top));
                 sum = _mm512_add_ps(sum, e);
 #ifdef __AVX512BF16__
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs[r] + 16 * u), to_bf16(e));
