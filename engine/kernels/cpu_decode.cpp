@@ -159,9 +159,15 @@ void dot_block(const Activations& xs, const bf16* const* wr, const bf16* next, i
         a[i][j] = _mm512_fmadd_ps(w_odd[j], x_odd, _mm512_fmadd_ps(w_even[j], x_even, a[i][j]));
     }
   }
+  // the MR x 4 sums in one transpose-and-add tree rather than one reduction each
+  __m512 v[16];
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 4; ++j) v[i * 4 + j] = i < MR ? a[i][j] : _mm512_setzero_ps();
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, hsum16(v));
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < 4; ++j) {
-      float total = _mm512_reduce_add_ps(a[i][j]);
+      float total = sums[i * 4 + j];
       for (int64_t k = k_vec; k < K; ++k) total += f32(wr[j][k]) * f32(xs.x[(m0 + i) * K + k]);
       out[i][j] = total;
     }
