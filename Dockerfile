@@ -12,7 +12,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 # ffmpeg: tools for camera debugging (OpenCV's wheel carries its own FFmpeg);
 # libgl1/libglib2.0-0: opencv-python, which ultralytics pulls in next to the headless build;
-# g++: engine/kernels (the fused CPU decode step) compiles on first use.
+# g++: engine/kernels (the CPU decode step and attention) compile on first use.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends ffmpeg libgl1 libglib2.0-0 g++ \
     && rm -rf /var/lib/apt/lists/*
@@ -26,8 +26,9 @@ RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu .
 
 RUN useradd --create-home --uid 10001 vision
 USER vision
-# the kernel build cache lives in the image's home dir; where the build host's CPU has no
-# AVX512-BF16 this is a no-op and the container builds at first start instead
+# the kernel build cache lives in the image's home dir. It holds the variant for the build
+# host's CPU (native or emulated bf16, see engine/kernels); a container on a CPU that needs the
+# other variant builds it at first start (~30 s); without AVX-512 this is a no-op
 RUN python -m engine.kernels
 
 ENTRYPOINT ["vision-serve"]
