@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from engine.kernels import load_cpu_decode
 from engine.layers.linear import PackedLinear, UpcastLinear, cpu_packing_available, pack_linears
 
 
@@ -20,22 +21,27 @@ def _linear(in_features: int, out_features: int, bias: bool, seed: int) -> nn.Li
 
 @pytest.mark.parametrize("rows", [1, 3, UpcastLinear.MIN_ROWS - 1, UpcastLinear.MIN_ROWS, 70])
 @pytest.mark.parametrize("bias", [True, False])
-def test_upcast_linear_matches_fp32_product(rows: int, bias: bool) -> None:
+@pytest.mark.parametrize("with_kernels", [False, True])
+def test_upcast_linear_matches_fp32_product(rows: int, bias: bool, with_kernels: bool) -> None:
+    kernels = load_cpu_decode() if with_kernels else None
+    if with_kernels and kernels is None:
+        pytest.skip("engine.kernels not built on this CPU")
     lin = _linear(96, 80, bias, seed=rows)
     x = torch.randn(rows, 96).bfloat16()
     want = nn.functional.linear(
         x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float()
     )
-    got = UpcastLinear(lin)(x)
+    got = UpcastLinear(lin, kernels)(x)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 80)
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)  # one bf16 rounding
 
 
-def test_upcast_linear_keeps_leading_dimensions() -> None:
+@pytest.mark.parametrize("rows", [3, 20])  # 6 rows: the GEMV (or F.linear); 40: widened
+def test_upcast_linear_keeps_leading_dimensions(rows: int) -> None:
     lin = _linear(32, 16, True, seed=0)
-    x = torch.randn(2, 20, 32).bfloat16()  # 40 rows: the widened path
-    got = UpcastLinear(lin)(x)
-    assert got.shape == (2, 20, 16)
+    x = torch.randn(2, rows, 32).bfloat16()
+    got = UpcastLinear(lin, load_cpu_decode())(x)
+    assert got.shape == (2, rows, 16)
     torch.testing.assert_close(
         got, nn.functional.linear(x, lin.weight, lin.bias), rtol=2e-2, atol=2e-2
     )
