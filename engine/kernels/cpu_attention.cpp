@@ -24,7 +24,9 @@ using bf16 = at::BFloat16;
 
 inline float f32(bf16 v) { return static_cast<float>(v); }
 
+#ifdef __AVX512BF16__
 using vs_simd::dot_bf16_pairs;
+#endif
 using vs_simd::exp16;
 using vs_simd::to_bf16;
 using vs_simd::widen_pairs;

@@ -39,7 +39,9 @@ inline __m512 load16(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+#ifdef __AVX512BF16__
 using vs_simd::dot_bf16_pairs;
+#endif
 using vs_simd::exp16;
 
 // out[i] = sum of the 16 lanes of v[i]: a transpose-and-add tree, ~3 instructions per vector
@@ -217,9 +219,11 @@ void dot_rows_any(const Activations& xs, const bf16* w, int64_t n0, int64_t n1, 
 void dot_rows_blocked(const Activations& xs, const bf16* w, int64_t n0, int64_t n1, float* acc,
                       int64_t ld_acc) {
   const int64_t K = xs.K;
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) {
-    const bf16* wr[4] = {w + n * K, w + (n + 1) * K, w + (n + 2) * K, w + (n + 3) * K};
+  for (int64_t n = n0; n < n1; n += 4) {
+    // a last group of 1..3 weight rows repeats its last row
+    const int rows = static_cast<int>(std::min<int64_t>(4, n1 - n));
+    const bf16* wr[4];
+    for (int j = 0; j < 4; ++j) wr[j] = w + (n + std::min(j, rows - 1)) * K;
     // weights stream from memory in 4-row groups too short for the hardware prefetcher to
     // ramp up on: the first activation block of each group fetches the next group's rows
     // (8.2 GB/s without this at 16 rows)
@@ -235,21 +239,7 @@ void dot_rows_blocked(const Activations& xs, const bf16* w, int64_t n0, int64_t 
         default: dot_block<4>(xs, wr, pf, m0, out); break;
       }
       for (int i = 0; i < mr; ++i)
-        for (int j = 0; j < 4; ++j) acc[(m0 + i) * ld_acc + (n + j - n0)] = out[i][j];
-    }
-  }
-  for (; n < n1; ++n) {  // the last 1..3 weight rows: the same block with a row repeated
-    const bf16* wr[4] = {w + n * K, w + n * K, w + n * K, w + n * K};
-    for (int m0 = 0; m0 < xs.M; m0 += 4) {
-      float out[4][4];
-      const int mr = std::min(4, xs.M - m0);
-      switch (mr) {
-        case 1: dot_block<1>(xs, wr, nullptr, m0, out); break;
-        case 2: dot_block<2>(xs, wr, nullptr, m0, out); break;
-        case 3: dot_block<3>(xs, wr, nullptr, m0, out); break;
-        default: dot_block<4>(xs, wr, nullptr, m0, out); break;
-      }
-      for (int i = 0; i < mr; ++i) acc[(m0 + i) * ld_acc + (n - n0)] = out[i][0];
+        for (int j = 0; j < rows; ++j) acc[(m0 + i) * ld_acc + (n + j - n0)] = out[i][j];
     }
   }
 }

@@ -1,10 +1,9 @@
 // AVX-512 helpers shared by the CPU kernels (cpu_decode.cpp, cpu_attention.cpp).
 //
-// The kernels are written against two bf16 primitives. With AVX512-BF16 (Cooper Lake,
-// Sapphire Rapids, Zen 4 and later) they are single instructions; on plain AVX-512 CPUs
-// (Skylake-X, Ice Lake) the build omits -mavx512bf16 and they are emulated: a bf16 is the top
-// half of an fp32, so widening is a shift or a mask and the products are fp32 FMAs. Decode
-// stays memory-bound either way; attention runs about 2x slower than with the instruction.
+// With AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4 and later) the kernels multiply bf16
+// pairs in one instruction (dot_bf16_pairs). On plain AVX-512 CPUs (Skylake-X, Ice Lake) the
+// build omits -mavx512bf16 and the kernels widen each operand to fp32 once, where it is loaded
+// (widen_pairs: a bf16 is the top half of an fp32, so a shift or a mask), then use fp32 FMAs.
 #pragma once
 
 #include <immintrin.h>
@@ -17,17 +16,13 @@ inline void widen_pairs(__m512i v, __m512& even, __m512& odd) {
   odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// acc[i] += a[2i] * b[2i] + a[2i+1] * b[2i+1] over 32 bf16 pairs (vdpbf16ps)
-inline __m512 dot_bf16_pairs(__m512 acc, __m512i a, __m512i b) {
 #ifdef __AVX512BF16__
+// acc[i] += a[2i] * b[2i] + a[2i+1] * b[2i+1] over 32 bf16 pairs. Native builds only: the
+// emulated paths widen each operand once, where it is loaded, instead of per product.
+inline __m512 dot_bf16_pairs(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
-#else
-  __m512 a_even, a_odd, b_even, b_odd;
-  widen_pairs(a, a_even, a_odd);
-  widen_pairs(b, b_even, b_odd);
-  return _mm512_fmadd_ps(a_odd, b_odd, _mm512_fmadd_ps(a_even, b_even, acc));
-#endif
 }
+#endif
 
 // 16 fp32 -> 16 bf16, round to nearest even (vcvtneps2bf16); inputs are finite
 inline __m256i to_bf16(__m512 x) {
