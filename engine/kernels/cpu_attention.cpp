@@ -5,6 +5,8 @@
 // Here scores live in registers: per 4 query rows and 64 keys, q.k^T and p.v are vdpbf16ps
 // over keys and values repacked into bf16 pairs once per call, with an online softmax in fp32
 // between them (probabilities rounded to bf16 for p.v, as GPU flash attention does).
+// The emulated build (no AVX512-BF16) computes in fp32 throughout, so it also takes fp32
+// q/k/v: the vision tower runs in fp32 there (see engine.models.load_model).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -27,7 +29,7 @@ inline float f32(bf16 v) { return static_cast<float>(v); }
 #ifdef __AVX512BF16__
 using vs_simd::dot_bf16_pairs;
 #endif
-using vs_simd::exp16;
+using vs_simd::exp2_16;
 using vs_simd::to_bf16;
 using vs_simd::widen_pairs;
 
@@ -65,8 +67,9 @@ using Prob = float;
 #endif
 
 struct Problem {
-  const bf16* q;
-  bf16* out;
+  const void* q;  // bf16, or fp32 when fp32_io (emulated builds only)
+  void* out;      // q's dtype
+  bool fp32_io;
   const uint32_t* kpk;
   const uint32_t* vpk;
   int64_t n, m, Hq, G, offset, m_pad;
@@ -110,15 +113,18 @@ __attribute__((noinline)) void qk_tile(const QElem* const* qrow, const uint32_t*
     for (int u = 0; u < kSub; ++u) _mm512_store_ps(scores[r] + 16 * u, s[r][u]);
 }
 
-// o[r] = o[r] * alpha[r] + p_r . V over the tile's key pairs (R x ND accumulators)
-template <int ND, int R>
+// o[r] = o[r] * alpha[r] + p_r . V over the tile's key pairs (R x ND accumulators); without
+// Rescale every alpha is 1, as it is once a row's running max has settled
+template <int ND, int R, bool Rescale>
 __attribute__((noinline)) void pv_tile(float* o, const float* alpha, const Prob (*probs)[kTile],
                                        const uint32_t* vt, int64_t pairs) {
   constexpr int64_t D = ND * 16;
   __m512 acc[R][ND];
   for (int r = 0; r < R; ++r)
-    for (int d = 0; d < ND; ++d)
-      acc[r][d] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + 16 * d), _mm512_set1_ps(alpha[r]));
+    for (int d = 0; d < ND; ++d) {
+      acc[r][d] = _mm512_loadu_ps(o + r * D + 16 * d);
+      if (Rescale) acc[r][d] = _mm512_mul_ps(acc[r][d], _mm512_set1_ps(alpha[r]));
+    }
   for (int64_t i = 0; i < pairs; ++i) {
 #ifdef __AVX512BF16__
     __m512i pb[R];
@@ -153,16 +159,22 @@ void attend(const Problem& P) {
   const int64_t n = P.n, m = P.m, Hq = P.Hq, D = ND * 16, G = P.G, offset = P.offset;
   const int64_t dp_count = D / 2, m_pad = P.m_pad;
   const bool causal = P.causal;
-  const bf16* qp = P.q;
-  bf16* outp = P.out;
+  const bf16* qp = static_cast<const bf16*>(P.q);
   const uint32_t* kpk = P.kpk;
   const uint32_t* vpk = P.vpk;
-  // a task is one head's block of kBlock query rows; for every key tile (64 keys: 8 KB of
-  // packed keys and 8 KB of values, L1-resident) its sub-blocks of R rows run in turn, so
-  // each tile comes from L2/L3 once per block rather than once per 4 rows
-  constexpr int64_t kBlock = 32;
-  const int64_t row_blocks = (n + kBlock - 1) / kBlock;
-  const __m512 vscale = _mm512_set1_ps(P.scale);
+  // a task is one head's block of up to kBlock query rows; for every key tile (64 keys:
+  // 16 KB of packed keys and values, 32 KB emulated) its sub-blocks of R rows run in turn, so
+  // each tile comes from L2 once per block rather than once per R rows: 128 rows ran
+  // vision-sized calls 10 % faster than 32 on an Ice Lake. Smaller blocks only where the
+  // call has too few rows to give every thread two tasks.
+  constexpr int64_t kBlock = 128;
+  int64_t block = kBlock;
+  const int64_t min_tasks = 2 * at::get_num_threads();
+  while (block > 16 && Hq * ((n + block - 1) / block) < min_tasks) block /= 2;
+  const int64_t row_blocks = (n + block - 1) / block;
+  // softmax in base 2: exp(x * scale - max) = 2^(x * scale * log2(e) - max'), one FMA per score
+  const float scale2 = P.scale * 1.4426950408889634f;
+  const __m512 vscale2 = _mm512_set1_ps(scale2);
   const __m512i lane_idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   at::parallel_for(0, Hq * row_blocks, 1, [&](int64_t t0, int64_t t1) {
     alignas(64) Prob probs[R][kTile];
@@ -170,18 +182,24 @@ void attend(const Problem& P) {
 #ifndef __AVX512BF16__
     std::vector<float> q_wide(kBlock * D);
 #endif
-    float row_max[kBlock], row_sum[kBlock];
+    float row_max[kBlock];  // base-2 units
+    alignas(64) float row_sum[kBlock][16];  // per lane: reduced once, at the end
     for (int64_t task = t0; task < t1; ++task) {
-      const int64_t h = task / row_blocks, b0 = (task % row_blocks) * kBlock;
-      const int64_t block_rows = std::min<int64_t>(kBlock, n - b0), hk = h / G;
+      const int64_t h = task / row_blocks, b0 = (task % row_blocks) * block;
+      const int64_t block_rows = std::min<int64_t>(block, n - b0), hk = h / G;
       const uint32_t* kh = kpk + hk * (m_pad / 16) * dp_count * 16 * kWords;
       const uint32_t* vh = vpk + hk * (m_pad / 2) * D * kWords;
       std::fill(o_mem.begin(), o_mem.end(), 0.f);
       std::fill(row_max, row_max + kBlock, -INFINITY);
-      std::fill(row_sum, row_sum + kBlock, 0.f);
+      std::memset(row_sum, 0, sizeof(row_sum));
 #ifndef __AVX512BF16__
-      for (int64_t r = 0; r < block_rows; ++r)
-        for (int64_t d = 0; d < D; ++d) q_wide[r * D + d] = f32(qp[((b0 + r) * Hq + h) * D + d]);
+      for (int64_t r = 0; r < block_rows; ++r) {
+        const int64_t at = ((b0 + r) * Hq + h) * D;
+        if (P.fp32_io)
+          std::memcpy(&q_wide[r * D], static_cast<const float*>(P.q) + at, D * sizeof(float));
+        else
+          for (int64_t d = 0; d < D; ++d) q_wide[r * D + d] = f32(qp[at + d]);
+      }
 #endif
       const int64_t block_last = causal ? std::min(m - 1, offset + b0 + block_rows - 1) : m - 1;
       for (int64_t j0 = 0; j0 <= block_last; j0 += kTile) {
@@ -203,6 +221,7 @@ void attend(const Problem& P) {
           alignas(64) float sc[R][kTile];
           qk_tile<R>(qrow, kt, dp_count, sc);
           float alphas[R];
+          bool rescale = false;
           for (int r = 0; r < R; ++r) {
             const int64_t row = r0 - b0 + r;
             // keys this row may see: all below m, with causal those <= its own position
@@ -223,20 +242,20 @@ void attend(const Problem& P) {
                 mx = _mm512_max_ps(mx, x);
               }
             }
-            const float new_max = std::max(row_max[row], _mm512_reduce_max_ps(mx) * P.scale);
+            const float new_max = std::max(row_max[row], _mm512_reduce_max_ps(mx) * scale2);
             float alpha = 1.f;
             if (new_max == -INFINITY) {  // nothing visible to this row yet
               std::memset(probs[r], 0, sizeof(probs[r]));
             } else {
               // the running max rarely moves after the first tiles: no exp when it stays
               if (row_max[row] == -INFINITY) alpha = 0.f;
-              else if (new_max != row_max[row]) alpha = std::exp(row_max[row] - new_max);
+              else if (new_max != row_max[row]) alpha = std::exp2(row_max[row] - new_max);
               row_max[row] = new_max;
               const __m512 top = _mm512_set1_ps(new_max);
-              __m512 sum = _mm512_setzero_ps();
+              __m512 sum = _mm512_mul_ps(_mm512_load_ps(row_sum[row]), _mm512_set1_ps(alpha));
               for (int u = 0; u < kSub; ++u) {
                 const __m512 e =
-                    exp16(_mm512_fmsub_ps(_mm512_load_ps(sc[r] + 16 * u), vscale, top));
+                    exp2_16(_mm512_fmsub_ps(_mm512_load_ps(sc[r] + 16 * u), vscale2, top));
                 sum = _mm512_add_ps(sum, e);
 #ifdef __AVX512BF16__
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs[r] + 16 * u), to_bf16(e));
@@ -244,25 +263,61 @@ void attend(const Problem& P) {
                 _mm512_store_ps(probs[r] + 16 * u, e);
 #endif
               }
-              row_sum[row] = row_sum[row] * alpha + _mm512_reduce_add_ps(sum);
+              _mm512_store_ps(row_sum[row], sum);
             }
             alphas[r] = alpha;
+            rescale |= alpha != 1.f;
           }
           const int64_t pairs = (std::min<int64_t>(kTile, last_key + 1 - j0) + 1) / 2;
-          pv_tile<ND, R>(o_mem.data() + (r0 - b0) * D, alphas, probs, vt, pairs);
+          float* o = o_mem.data() + (r0 - b0) * D;
+          if (rescale) pv_tile<ND, R, true>(o, alphas, probs, vt, pairs);
+          else pv_tile<ND, R, false>(o, alphas, probs, vt, pairs);
         }
       }
       for (int64_t r = 0; r < block_rows; ++r) {
-        bf16* dst = outp + ((b0 + r) * Hq + h) * D;
-        const __m512 inv = _mm512_set1_ps(1.0f / row_sum[r]);
-        for (int d = 0; d < ND; ++d)
-          _mm256_storeu_si256(
-              reinterpret_cast<__m256i*>(dst + 16 * d),
-              to_bf16(_mm512_mul_ps(_mm512_loadu_ps(o_mem.data() + r * D + 16 * d), inv)));
+        const int64_t at = ((b0 + r) * Hq + h) * D;
+        const __m512 inv =
+            _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(row_sum[r])));
+        for (int d = 0; d < ND; ++d) {
+          const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(o_mem.data() + r * D + 16 * d), inv);
+          if (P.fp32_io)
+            _mm512_storeu_ps(static_cast<float*>(P.out) + at + 16 * d, y);
+          else
+            _mm256_storeu_si256(
+                reinterpret_cast<__m256i*>(static_cast<bf16*>(P.out) + at + 16 * d), to_bf16(y));
+        }
       }
     }
   });
 }
+
+#ifndef __AVX512BF16__
+// pack_kv's emulated layout for keys j0..j0+15 of head h: per dimension pair p, the 16 keys'
+// even elements then their odd ones; values as rows, one per key (pv_tile reads v[2i, d..]
+// and v[2i + 1, d..]). Keys past m are zeros.
+template <typename T>
+void widen_keys_values(const T* kp, const T* vp, int64_t j0, int64_t m, int64_t Hk, int64_t h,
+                       int64_t D, uint32_t* kdst, uint32_t* vdst) {
+  float* kf = reinterpret_cast<float*>(kdst);
+  float* vf = reinterpret_cast<float*>(vdst);
+  const int64_t dp_count = D / 2;
+  for (int64_t lane = 0; lane < 16; ++lane) {
+    const int64_t j = j0 + lane;
+    if (j >= m) {
+      for (int64_t p = 0; p < dp_count; ++p) kf[p * 32 + lane] = kf[p * 32 + 16 + lane] = 0.f;
+      std::fill(vf + lane * D, vf + (lane + 1) * D, 0.f);
+      continue;
+    }
+    const T* krow = kp + (j * Hk + h) * D;
+    const T* vrow = vp + (j * Hk + h) * D;
+    for (int64_t p = 0; p < dp_count; ++p) {
+      kf[p * 32 + lane] = static_cast<float>(krow[2 * p]);
+      kf[p * 32 + 16 + lane] = static_cast<float>(krow[2 * p + 1]);
+    }
+    for (int64_t d = 0; d < D; ++d) vf[lane * D + d] = static_cast<float>(vrow[d]);
+  }
+}
+#endif
 
 }  // namespace
 
@@ -270,11 +325,19 @@ void attend(const Problem& P) {
 // [Hk][m_pad/16][D/2][16 keys] pairs (k[j, 2p], k[j, 2p+1]), values as [Hk][m_pad/2][D] pairs
 // (v[2i, d], v[2i+1, d]), so one 64-byte load feeds one vdpbf16ps. Packing costs about one
 // pass over k and v; a caller attending many query blocks to the same keys packs once.
+// fp32 keys/values are taken as they are by the emulated build, rounded to bf16 by the native.
 std::vector<at::Tensor> pack_kv(const at::Tensor& k_in, const at::Tensor& v_in) {
   TORCH_CHECK(k_in.dim() == 3 && v_in.sizes() == k_in.sizes(), "k, v: [tokens, heads, D]");
-  TORCH_CHECK(k_in.scalar_type() == at::kBFloat16 && v_in.scalar_type() == at::kBFloat16,
-              "bf16 only");
+  const auto dtype = k_in.scalar_type();
+  TORCH_CHECK(v_in.scalar_type() == dtype && (dtype == at::kBFloat16 || dtype == at::kFloat),
+              "k, v: both bf16 or both fp32");
+#ifdef __AVX512BF16__
+  const at::Tensor k = k_in.to(at::kBFloat16).contiguous(), v = v_in.to(at::kBFloat16).contiguous();
+  const bool fp32_in = false;
+#else
   const at::Tensor k = k_in.contiguous(), v = v_in.contiguous();
+  const bool fp32_in = dtype == at::kFloat;
+#endif
   const int64_t m = k.size(0), Hk = k.size(1), D = k.size(2);
   TORCH_CHECK(m > 0, "no keys");
   TORCH_CHECK(D % 16 == 0 && D <= 128, "head_dim must be 16..128, step 16");
@@ -284,8 +347,11 @@ std::vector<at::Tensor> pack_kv(const at::Tensor& k_in, const at::Tensor& v_in) 
   at::Tensor vpk_t = at::empty({Hk, m_pad / 2, D * kWords}, opts);
   uint32_t* kpk = reinterpret_cast<uint32_t*>(kpk_t.data_ptr<int32_t>());
   uint32_t* vpk = reinterpret_cast<uint32_t*>(vpk_t.data_ptr<int32_t>());
-  const bf16* kp = k.data_ptr<bf16>();
-  const bf16* vp = v.data_ptr<bf16>();
+  const bf16* kp = fp32_in ? nullptr : k.data_ptr<bf16>();
+  const bf16* vp = fp32_in ? nullptr : v.data_ptr<bf16>();
+  const float* kp32 = fp32_in ? k.data_ptr<float>() : nullptr;
+  const float* vp32 = fp32_in ? v.data_ptr<float>() : nullptr;
+  (void)kp32, (void)vp32, (void)fp32_in;
   at::parallel_for(0, Hk * (m_pad / 16), 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t h = t / (m_pad / 16), j0 = (t % (m_pad / 16)) * 16;
@@ -307,22 +373,8 @@ std::vector<at::Tensor> pack_kv(const at::Tensor& k_in, const at::Tensor& v_in) 
           vdst[i * D + d] = pair(a ? a + d : &zero, b ? b + d : &zero);
       }
 #else
-      // keys: per dimension pair p, 16 keys' even elements then their odd ones; values: the
-      // rows of each key pair one after the other (pv reads v[2i, d..] and v[2i + 1, d..])
-      float* kf = reinterpret_cast<float*>(dst);
-      for (int64_t lane = 0; lane < 16; ++lane) {
-        const int64_t j = j0 + lane;
-        const bf16* row = j < m ? kp + (j * Hk + h) * D : nullptr;
-        for (int64_t p = 0; p < dp_count; ++p) {
-          kf[p * 32 + lane] = row ? f32(row[2 * p]) : 0.f;
-          kf[p * 32 + 16 + lane] = row ? f32(row[2 * p + 1]) : 0.f;
-        }
-      }
-      float* vf = reinterpret_cast<float*>(vdst);
-      for (int64_t j = j0; j < j0 + 16; ++j) {
-        const bf16* row = j < m ? vp + (j * Hk + h) * D : nullptr;
-        for (int64_t d = 0; d < D; ++d) vf[(j - j0) * D + d] = row ? f32(row[d]) : 0.f;
-      }
+      if (fp32_in) widen_keys_values(kp32, vp32, j0, m, Hk, h, D, dst, vdst);
+      else widen_keys_values(kp, vp, j0, m, Hk, h, D, dst, vdst);
 #endif
     }
   });
@@ -331,11 +383,17 @@ std::vector<at::Tensor> pack_kv(const at::Tensor& k_in, const at::Tensor& v_in) 
 
 // q: [n, Hq, D] against keys/values packed by pack_kv (m of them). Query i sits at position
 // m - n + i: with ``causal`` it sees keys j <= m - n + i, otherwise all m. Returns
-// [n, Hq, D] bf16.
+// [n, Hq, D] in q's dtype (bf16, or fp32: computed in fp32 emulated, in bf16 natively).
 at::Tensor attend_packed(const at::Tensor& q_in, const std::vector<at::Tensor>& packed,
                          double scale, bool causal) {
-  TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kBFloat16, "q: bf16 [n, heads, D]");
+  const auto dtype = q_in.scalar_type();
+  TORCH_CHECK(q_in.dim() == 3 && (dtype == at::kBFloat16 || dtype == at::kFloat),
+              "q: [n, heads, D], bf16 or fp32");
   TORCH_CHECK(packed.size() == 3, "packed: the result of pack_kv");
+#ifdef __AVX512BF16__
+  if (dtype == at::kFloat)
+    return attend_packed(q_in.to(at::kBFloat16), packed, scale, causal).to(at::kFloat);
+#endif
   const at::Tensor q = q_in.contiguous();
   const at::Tensor &kpk = packed[0], &vpk = packed[1];
   const int64_t n = q.size(0), Hq = q.size(1), D = q.size(2), m = packed[2].item<int64_t>();
@@ -345,8 +403,9 @@ at::Tensor attend_packed(const at::Tensor& q_in, const std::vector<at::Tensor>& 
   TORCH_CHECK(!causal || m >= n, "causal: the queries are the last n of the m keys");
   at::Tensor out = at::empty({n, Hq, D}, q.options());
   if (n == 0) return out;
-  const Problem problem{q.data_ptr<bf16>(),
-                        out.data_ptr<bf16>(),
+  const Problem problem{q.data_ptr(),
+                        out.data_ptr(),
+                        dtype == at::kFloat,
                         reinterpret_cast<const uint32_t*>(kpk.data_ptr<int32_t>()),
                         reinterpret_cast<const uint32_t*>(vpk.data_ptr<int32_t>()),
                         n, m, Hq, Hq / Hk, m - n, m_pad, static_cast<float>(scale), causal};
@@ -366,5 +425,6 @@ at::Tensor attend_packed(const at::Tensor& q_in, const std::vector<at::Tensor>& 
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            double scale, bool causal) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(2) == k.size(2), "q, k, v: [tokens, heads, D]");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "q, k, v: all bf16, or all fp32");
   return attend_packed(q, pack_kv(k, v), scale, causal);
 }

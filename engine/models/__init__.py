@@ -48,6 +48,20 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def vision_compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The vision tower's dtype: the model's, except bf16 on a CPU without bf16 arithmetic.
+
+    There every bf16 product is computed in fp32 anyway (widened weights, engine.kernels'
+    emulated attention), and a bf16 tower only adds conversions and rounding: per 256-row
+    item each linear widened its weight and converted its input and output, ~10 % of a
+    frame. The tower is ~2 % of a bench checkpoint's weights, so fp32 costs little memory;
+    its output is cast to the model's dtype where it enters the decoder.
+    """
+    if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_fast_bf16():
+        return torch.float32
+    return dtype
+
+
 def load_model(
     model_dir: str | Path,
     dtype: torch.dtype,
@@ -70,8 +84,9 @@ def load_model(
         model = Qwen2VLModel(hf_config, arch, with_vision=False)
     model = model.to_empty(device=device).to(dtype)
     visual = build_vision_tower(hf_config, arch).to(device=device)
+    vision_dtype = vision_compute_dtype(dtype, device)
     for param in visual.parameters():  # parameters only: rotary inv_freq buffers stay fp32
-        param.data = param.data.to(dtype)
+        param.data = param.data.to(vision_dtype)
     model.visual = visual
     model.load_weights(iter_safetensors(model_dir))
     model.eval()

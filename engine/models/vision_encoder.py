@@ -268,7 +268,12 @@ class VisionEncodeJob:
         out_dim = _linears(tower.hf.merger)[-1].out_features
         self.merged = torch.empty(n // tower.merge_unit, out_dim, device=device, dtype=dtype)
         self._matmul_attention = dtype == torch.bfloat16 and device.type == "cpu"
-        self._native = self._matmul_attention and tower.kernels is not None
+        # the kernels take fp32 too: a bf16 model's tower runs in fp32 where bf16 is emulated
+        self._native = (
+            device.type == "cpu"
+            and tower.kernels is not None
+            and dtype in (torch.bfloat16, torch.float32)
+        )
         self._kv_heads_block = -1
         self._kv_heads: tuple[Tensor, Tensor] | None = None
         self._packed: dict[tuple[int, int], list[Tensor]] = {}  # (k0, k1) -> packed k/v
@@ -425,7 +430,8 @@ class VisionEncodeJob:
         return out.view(call.q1 - call.q0, heads * hd)
 
     def _attend_native(self, index: int, call: AttentionCall) -> Tensor:
-        """bf16 on CPU with engine.kernels: its flash kernel per segment (image or window).
+        """CPU with engine.kernels: its flash kernel per segment (image or window), for a bf16
+        tower or the fp32 tower of a bf16 model where bf16 is emulated.
 
         Keys/values are packed for the kernel once per segment per block, since a block's
         queries arrive in many work items: a third faster than the two-bmm path, whose score

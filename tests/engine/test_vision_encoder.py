@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.models import load_model
+from engine.device import cpu_has_fast_bf16
+from engine.models import load_model, vision_compute_dtype
 from engine.models.vision_encoder import AttentionCall, VisionTower, attention_calls
 from tests.engine.helpers import hf_greedy, image_conv, noise_image, truncate_at_eos
 
@@ -127,10 +128,28 @@ def test_result_before_done_is_an_error(loaded, tiny_qwen2_vl):
         job.result()
 
 
-def test_bf16_is_as_close_to_fp32_as_the_transformers_tower(checkpoint_factory, tiny_checkpoint):
+def _load_with_bf16_tower(checkpoint):
+    """A bf16 model whose tower is bf16 too, whatever this CPU would pick for it (plain
+    linears: a packed weight would keep its dtype)."""
     model, hf_config, arch = load_model(
-        tiny_checkpoint, torch.bfloat16, torch.device("cpu"), cpu_kernels=False
+        checkpoint, torch.bfloat16, torch.device("cpu"), pack_cpu_weights=False, cpu_kernels=False
     )
+    for param in model.visual.parameters():
+        param.data = param.data.bfloat16()
+    return model, hf_config, arch
+
+
+def test_bf16_model_tower_runs_in_fp32_where_bf16_is_emulated(tiny_checkpoint):
+    model = load_model(tiny_checkpoint, torch.bfloat16, torch.device("cpu"), cpu_kernels=False)[0]
+    want = torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    assert vision_compute_dtype(torch.bfloat16, torch.device("cpu")) == want
+    assert {p.dtype for p in model.visual.parameters()} == {want}
+    assert vision_compute_dtype(torch.float32, torch.device("cpu")) == torch.float32
+    assert vision_compute_dtype(torch.bfloat16, torch.device("cuda")) == torch.bfloat16
+
+
+def test_bf16_is_as_close_to_fp32_as_the_transformers_tower(checkpoint_factory, tiny_checkpoint):
+    model, hf_config, arch = _load_with_bf16_tower(tiny_checkpoint)
     ref_model = load_model(tiny_checkpoint, torch.float32, torch.device("cpu"))[0]
     pixels, grid = _inputs(model, TWO_IMAGES)
     ref = torch.cat(_hf_tower(ref_model, pixels, grid))
@@ -148,9 +167,7 @@ def test_bf16_is_as_close_to_fp32_as_the_transformers_tower(checkpoint_factory, 
 def test_bf16_matmul_attention_matches_the_fused_kernel(tiny_checkpoint, max_rows):
     """The CPU bf16 path (two bmm per 64 query rows over head-major k/v) against SDPA, on an
     image of 240 patches so the row loop and the per-block k/v copy both come into play."""
-    model, hf_config, arch = load_model(
-        tiny_checkpoint, torch.bfloat16, torch.device("cpu"), cpu_kernels=False
-    )
+    model, hf_config, arch = _load_with_bf16_tower(tiny_checkpoint)
     tower = VisionTower(model.visual, hf_config.vision_config, arch, max_rows)
     pixels, grid = _inputs(model, [[1, 12, 20], [1, 4, 6]], seed=3)
 
@@ -205,18 +222,20 @@ def test_engine_greedy_tokens_unchanged_by_our_tower(tiny_checkpoint):
     assert tokens["engine"] == truncate_at_eos(hf_greedy(tiny_checkpoint, conv, 16), eos)
 
 
+@pytest.mark.parametrize("tower_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("max_rows", [None, 37])
-def test_native_flash_attention_matches_the_fused_kernel(tiny_checkpoint, max_rows):
-    """engine/kernels' flash attention (bf16 CPU, packed k/v reused across work items and, for
-    Qwen2.5-VL, one call per window) against SDPA on the same tower."""
+def test_native_flash_attention_matches_the_fused_kernel(tiny_checkpoint, max_rows, tower_dtype):
+    """engine/kernels' flash attention (packed k/v reused across work items and, for
+    Qwen2.5-VL, one call per window) against SDPA on the same tower: bf16, and fp32 (a bf16
+    model's tower where bf16 is emulated; the native build rounds it to bf16)."""
     from engine.kernels import load_cpu_decode
 
     kernels = load_cpu_decode()
     if kernels is None:
         pytest.skip("needs AVX-512 and a C++ compiler")
-    model, hf_config, arch = load_model(
-        tiny_checkpoint, torch.bfloat16, torch.device("cpu"), cpu_kernels=False
-    )
+    model, hf_config, arch = _load_with_bf16_tower(tiny_checkpoint)
+    for param in model.visual.parameters():
+        param.data = param.data.to(tower_dtype)
     pixels, grid = _inputs(model, [[1, 12, 20], [1, 4, 6]], seed=3)
 
     def run(native: bool) -> torch.Tensor:
