@@ -54,8 +54,19 @@ class UpcastLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.kernels = kernels
 
+    def widens(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is enough rows for the fp32 product (see ``forward_fp32``)."""
+        return x.numel() >= self.MIN_ROWS * self.in_features
+
+    def forward_fp32(self, x: torch.Tensor) -> torch.Tensor:
+        """The widened product, left in fp32 for a caller that feeds it to another one
+        (MLP): rounding a [T, 2 x intermediate] activation to bf16 and widening it back cost
+        more than the activation function itself."""
+        bias = None if self.bias is None else self.bias.float()
+        return torch.nn.functional.linear(x.float(), self.weight.float(), bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() < self.MIN_ROWS * self.in_features:
+        if not self.widens(x):
             if self.kernels is not None and x.dtype == torch.bfloat16 and x.numel() > 0:
                 flat = x.reshape(-1, self.in_features)
                 y = self.kernels.small_matmul(flat, self.weight)
@@ -63,8 +74,7 @@ class UpcastLinear(nn.Module):
                     y = y + self.bias
                 return y.view(*x.shape[:-1], self.out_features)
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        bias = None if self.bias is None else self.bias.float()
-        return torch.nn.functional.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        return self.forward_fp32(x).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"

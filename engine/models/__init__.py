@@ -97,11 +97,15 @@ def load_model(
     if device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels:
         kernels = load_cpu_decode()
         if kernels is not None:  # before packing: the kernel reads plain row-major weights
-            model.decode_kernel_weights_hp = kernels.copy_to_huge_pages(
-                model.decode_kernel_weights()
-            )
+            params = model.decode_kernel_params()
+            hp = kernels.copy_to_huge_pages([p.detach() for p in params])
+            # the eager path reads the same copy: one set of weights in memory, not two
+            # (the emulated build's fused decoder adds its GEMV panels, about as much again)
+            for param, copy in zip(params, hp, strict=True):
+                param.data = copy
+            model.decode_kernel_weights_hp = hp
             model.set_cpu_kernels(kernels)
-            log.info("native CPU kernels on (decode weights copied to huge pages)")
+            log.info("native CPU kernels on (decoder weights on huge pages)")
     if cpu_linears and (model.cpu_kernels is not None or emulated_bf16):
         # the vision tower's linears run once per 64-row work item: F.linear would re-lay-out
         # (or, emulated, run at a fifth of the fp32 rate) each bf16 weight every time

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.attention import AttentionMetadata, paged_attention
+from engine.layers.linear import UpcastLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import MRotaryEmbedding, apply_rotary
 from engine.models.vision_encoder import VisionTower
@@ -56,8 +57,13 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up, down = self.gate_up_proj, self.down_proj
+        upcast = isinstance(gate_up, UpcastLinear) and isinstance(down, UpcastLinear)
+        if upcast and gate_up.widens(x):  # bf16 without bf16 arithmetic: fp32 between products
+            gate, up = gate_up.forward_fp32(x).chunk(2, dim=-1)
+            return down.forward_fp32(F.silu(gate, inplace=True).mul_(up)).to(x.dtype)
+        gate, up = gate_up(x).chunk(2, dim=-1)
+        return down(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -157,7 +163,11 @@ class Qwen2VLModel(nn.Module):
         """Plain decoder weights in the fused decode kernel's order: per layer input norm,
         qkv weight and bias, o_proj, post-attention norm, gate_up, down; then the final norm
         and lm_head. Taken before the linears are packed for oneDNN (packing drops them)."""
-        out: list[torch.Tensor] = []
+        return [p.detach() for p in self.decode_kernel_params()]
+
+    def decode_kernel_params(self) -> list[nn.Parameter]:
+        """The parameters behind :meth:`decode_kernel_weights`, in the same order."""
+        out: list[nn.Parameter] = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             out += [
@@ -169,7 +179,7 @@ class Qwen2VLModel(nn.Module):
                 mlp.gate_up_proj.weight,
                 mlp.down_proj.weight,
             ]
-        return [t.detach() for t in [*out, self.norm.weight, self.lm_head.weight]]
+        return [*out, self.norm.weight, self.lm_head.weight]
 
     def packed_decoder_weights(self) -> list[torch.Tensor] | None:
         """oneDNN-packed qkv, o, gate_up, down per layer, then lm_head; None if not packed."""

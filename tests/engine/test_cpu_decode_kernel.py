@@ -32,6 +32,23 @@ def test_small_matmul_matches_fp32(rows: int, k: int) -> None:
     torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-3 * k**0.5)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize(("n", "k"), [(32, 64), (45, 130), (97, 300)])
+def test_panel_matmul_matches_fp32(rows: int, n: int, k: int) -> None:
+    """The emulated build's decode GEMV for 8+ rows: a last panel short of 32 features, k
+    pairs past one 64-pair chunk, a second block of activation rows."""
+    if not kernels.__name__.endswith("_emulated"):  # the native build has no panels
+        with pytest.raises(RuntimeError, match="emulated"):
+            kernels.panel_matmul(torch.ones(1, 2).bfloat16(), torch.ones(1, 2).bfloat16())
+        return
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    want = x.float() @ w.float().T
+    got = kernels.panel_matmul(x, w).float()
+    torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-3 * k**0.5)
+
+
 def _attention_fp32(q, k, v, scale: float, causal: bool) -> torch.Tensor:
     n, m, group = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
     qf = q.float().transpose(0, 1)
