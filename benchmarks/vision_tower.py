@@ -71,8 +71,14 @@ def bench_dtype(model_dir, dtype: torch.dtype, pixels, grid, args) -> dict:
     native = dtype == torch.bfloat16 and load_cpu_decode() is not None
     model, hf_config, arch = load_model(model_dir, dtype, torch.device("cpu"), cpu_kernels=native)
     kernels = model.cpu_kernels
-    # transformers' own tower on its own copy: ours packs the linears of the shared module
-    plain = load_model(model_dir, dtype, torch.device("cpu"), cpu_kernels=False)[0]
+    # transformers' own tower on its own copy, plain linears in the dtype asked for: ours packs
+    # the linears of the shared module, and runs a bf16 model's tower in fp32 where the CPU has
+    # no bf16 arithmetic (engine.models.vision_compute_dtype)
+    plain = load_model(
+        model_dir, dtype, torch.device("cpu"), pack_cpu_weights=False, cpu_kernels=False
+    )[0]
+    for param in plain.visual.parameters():
+        param.data = param.data.to(dtype)
     tower = VisionTower(model.visual, hf_config.vision_config, arch, kernels=kernels)
     split = VisionTower(model.visual, hf_config.vision_config, arch, args.max_rows, kernels=kernels)
     pixels = pixels.to(dtype)
