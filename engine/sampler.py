@@ -23,10 +23,12 @@ def sample(
         picks = logits[greedy_rows].argmax(dim=-1).tolist()
         for row, tok in zip(greedy_rows, picks, strict=True):
             result[row] = tok
-    for i, p in enumerate(params):
-        if p.greedy:
-            continue
-        result[i] = _sample_row(logits[i], p, generators[i])
+    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled_rows:
+        # on the host, in one copy: the requests' generators are CPU generators
+        rows = logits[sampled_rows].float().cpu()
+        for row, i in zip(rows, sampled_rows, strict=True):
+            result[i] = _sample_row(row, params[i], generators[i])
     return result
 
 
@@ -51,7 +53,7 @@ def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | Non
         probs = torch.softmax(logits, dim=-1)
     # inverse CDF with one uniform draw from the request's generator: reproducible per seed
     cdf = probs.cumsum(-1)
-    u = torch.rand((), generator=gen, device=cdf.device) * cdf[-1]
+    u = torch.rand((), generator=gen) * cdf[-1]
     index = min(int(torch.searchsorted(cdf, u, right=True)), cdf.shape[-1] - 1)
     return index if ids is None else int(ids[index])
 
