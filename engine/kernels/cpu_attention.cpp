@@ -226,6 +226,33 @@ void attend(const Problem& P) {
             const int64_t row = r0 - b0 + r;
             // keys this row may see: all below m, with causal those <= its own position
             const int64_t limit = causal ? std::min(m - 1, offset + r0 + r) : m - 1;
+            // a whole visible tile against a running max: its scores are exponentiated against
+            // that max as long as none exceeds it by more than 2^8 (fp32 and bf16 hold such
+            // probabilities and their sums); only a tile that does pays for its own max
+            if (j0 + kTile - 1 <= limit && row_max[row] != -INFINITY) {
+              const __m512 top = _mm512_set1_ps(row_max[row]);
+              __m512 t[kSub];
+              __mmask16 over = 0;
+              for (int u = 0; u < kSub; ++u) {
+                t[u] = _mm512_fmsub_ps(_mm512_load_ps(sc[r] + 16 * u), vscale2, top);
+                over |= _mm512_cmp_ps_mask(t[u], _mm512_set1_ps(8.f), _CMP_GT_OQ);
+              }
+              if (!over) {
+                __m512 sum = _mm512_load_ps(row_sum[row]);
+                for (int u = 0; u < kSub; ++u) {
+                  const __m512 e = exp2_16(t[u]);
+                  sum = _mm512_add_ps(sum, e);
+#ifdef __AVX512BF16__
+                  _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs[r] + 16 * u), to_bf16(e));
+#else
+                  _mm512_store_ps(probs[r] + 16 * u, e);
+#endif
+                }
+                _mm512_store_ps(row_sum[row], sum);
+                alphas[r] = 1.f;
+                continue;
+              }
+            }
             // the tile's max of raw scores (scale > 0 keeps their order); only a tile that
             // crosses the row's limit pays for masking
             __m512 mx = _mm512_set1_ps(-INFINITY);

@@ -54,7 +54,8 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// 2^t for softmax inputs in base-2 units (<= 0): range reduction to [-0.5, 0.5] and a degree-5
+// 2^t for softmax inputs in base-2 units (<= 8: flash attention exponentiates against a running
+// max that may trail the true one by that much): range reduction to [-0.5, 0.5] and a degree-5
 // polynomial, ~2e-6 relative, far below the bf16 rounding of what it feeds; two operations
 // fewer per 16 scores than exp16 with the scale folded into the caller's FMA
 inline __m512 exp2_16(__m512 t) {

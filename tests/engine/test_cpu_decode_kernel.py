@@ -88,6 +88,24 @@ def test_flash_attention_matches_fp32(n, m, heads, kv_heads, head_dim, causal) -
         assert torch.equal(torch.cat(parts), got.bfloat16())
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attention_with_a_late_dominant_key(causal: bool) -> None:
+    """Tiles are exponentiated against a running max that may trail the true one; a key far
+    above everything before it, several tiles in, must still rescale what came before."""
+    gen = torch.Generator().manual_seed(11)
+    n, m, heads, head_dim = 40, 300, 2, 64
+    q = torch.randn(n, heads, head_dim, generator=gen)
+    k = torch.randn(m, heads, head_dim, generator=gen)
+    v = torch.randn(m, heads, head_dim, generator=gen)
+    k[250] = q[-1] * 3  # a score ~ 3 * |q|^2 / 8, far past the others, in the fourth tile
+    k[130] = q[-1] * 1.2  # and a milder jump in the third
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    scale = head_dim**-0.5
+    want = _attention_fp32(q, k, v, scale, causal)
+    got = kernels.flash_attention(q, k, v, scale, causal).float()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize(("rows", "heads", "kv_heads", "head_dim"), [(1, 12, 4, 64), (5, 4, 2, 16)])
 def test_paged_decode_attention_matches_fp32(rows, heads, kv_heads, head_dim) -> None:
     """Scattered blocks, contexts from 1 token to several splits' worth (split-K merge)."""
