@@ -44,11 +44,7 @@ def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | Non
     top_k = p.top_k if 0 < p.top_k < vocab else vocab
     ids: torch.Tensor | None = None
     if top_k < vocab or p.top_p < 1.0:
-        probs, ids = _best_candidates(logits, top_k, p.top_p)
-        if p.top_p < 1.0:
-            # keep the smallest prefix whose mass reaches top_p (always at least one token)
-            keep = int(((probs.cumsum(-1) - probs) <= p.top_p).sum())
-            probs, ids = probs[:keep], ids[:keep]
+        probs, ids = _filtered(logits, top_k, p.top_p)
     else:
         probs = torch.softmax(logits, dim=-1)
     # inverse CDF with one uniform draw from the request's generator: reproducible per seed
@@ -56,6 +52,16 @@ def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | Non
     u = torch.rand((), generator=gen) * cdf[-1]
     index = min(int(torch.searchsorted(cdf, u, right=True)), cdf.shape[-1] - 1)
     return index if ids is None else int(ids[index])
+
+
+def _filtered(logits: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Probabilities (unnormalised) and ids of the tokens top-k and top-p leave, best first."""
+    probs, ids = _best_candidates(logits, top_k, top_p)
+    if top_p < 1.0:
+        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        keep = int(((probs.cumsum(-1) - probs) <= top_p).sum())
+        probs, ids = probs[:keep], ids[:keep]
+    return probs, ids
 
 
 def _best_candidates(

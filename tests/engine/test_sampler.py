@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import _best_candidates, _sample_row
+from engine.sampler import _filtered, _sample_row
 from engine.sampling_params import SamplingParams
 
 
@@ -37,12 +37,7 @@ def test_filtered_distribution_matches_a_full_sort(temperature, top_k, top_p, sp
     logits = torch.randn(5000, generator=gen) * 4 * spread
     want = _reference(logits, temperature, top_k, top_p)
     vocab = logits.shape[-1]
-    probs, ids = _best_candidates(
-        logits / temperature, top_k if 0 < top_k < vocab else vocab, top_p
-    )
-    if top_p < 1.0:
-        keep = int(((probs.cumsum(-1) - probs) <= top_p).sum())
-        probs, ids = probs[:keep], ids[:keep]
+    probs, ids = _filtered(logits / temperature, top_k if 0 < top_k < vocab else vocab, top_p)
     got = torch.zeros(vocab).scatter_(0, ids, probs / probs.sum())
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
 
