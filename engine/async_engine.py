@@ -4,6 +4,12 @@ Callers on any event loop ``await add_request(...)`` (input processing runs in a
 so decoding a camera frame never blocks the step loop) and iterate the returned stream. The
 step thread owns the ``LLMEngine``; other threads talk to it only through a command inbox, so
 no engine state is shared without a lock.
+
+Failure containment: an exception while the step thread handles *one* request (admitting it,
+aborting it, handing it an output) fails that request's stream only and the loop goes on. An
+exception from the batched step itself cannot be pinned on one request: the loop dies, every
+open stream and every later request gets ``EngineDeadError`` at once (never a hang), and the
+death callbacks run so that the server can exit and a supervisor restart it.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -76,6 +82,10 @@ class AsyncEngine:
         )
         self._stopping = False
         self._dead: BaseException | None = None
+        # Orders stream registration against the death sweep: a stream is either in _streams
+        # when the loop dies (and is failed by the sweep) or sees _dead when registering.
+        self._lock = threading.Lock()
+        self._death_callbacks: list[Callable[[BaseException], None]] = []
         self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
         self._thread.start()
 
@@ -88,22 +98,34 @@ class AsyncEngine:
         priority: str | Priority | None = "interactive",
         deadline_s: float | None = None,
     ) -> RequestStream:
-        """Validate and preprocess, then queue. Raises ``InvalidRequestError`` subclasses or
-        ``QueueFullError`` here, before the caller has streamed anything."""
-        self._check_alive()
+        """Validate and preprocess, then queue. Raises ``InvalidRequestError`` subclasses,
+        ``QueueFullError`` or ``EngineDeadError`` here, before the caller has streamed anything.
+
+        The id is reserved before the (awaited) preprocessing, so two concurrent calls with one
+        id cannot both pass the check and then overwrite each other's stream."""
         params = params or SamplingParams()
         parsed_priority = Priority.parse(priority)
-        if request_id in self._streams:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
         loop = asyncio.get_running_loop()
-        prompt = await loop.run_in_executor(self._pool, self.engine.process_inputs, inputs)
-        self.engine.validate(prompt, params)
-        limit = self.args.max_queue_len
-        if limit and self._stats.num_waiting + self._inbox.qsize() >= limit:
-            raise QueueFullError(f"waiting queue is full ({limit} requests)")
         stream = RequestStream(self, request_id, loop)
-        self._streams[request_id] = stream
-        self._post("add", (request_id, prompt, params, parsed_priority, deadline_s))
+        with self._lock:
+            self._check_alive()
+            if request_id in self._streams:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+        try:
+            prompt = await loop.run_in_executor(self._pool, self.engine.process_inputs, inputs)
+            self.engine.validate(prompt, params)
+            if not self.has_capacity():
+                limit = self.args.max_queue_len
+                raise QueueFullError(f"waiting queue is full ({limit} requests)")
+            with self._lock:  # the loop may have died while we were preprocessing
+                self._check_alive()
+                self._post("add", (request_id, prompt, params, parsed_priority, deadline_s))
+        except BaseException:
+            with self._lock:
+                if self._streams.get(request_id) is stream:
+                    self._streams.pop(request_id, None)
+            raise
         return stream
 
     async def generate(
@@ -130,6 +152,23 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self._dead is None and not self._stopping
 
+    def has_capacity(self) -> bool:
+        """Whether a new request would be queued rather than refused with ``QueueFullError``
+        (readiness: a load balancer should send work elsewhere while this is false)."""
+        limit = self.args.max_queue_len
+        return not limit or self._stats.num_waiting + self._inbox.qsize() < limit
+
+    def add_death_callback(self, callback: Callable[[BaseException], None]) -> None:
+        """Call ``callback(exc)`` (on the step thread) if the step loop dies, or now if it
+        already has. A server uses it to exit so that its supervisor restarts it: a process
+        that stays up with a dead engine only answers 503."""
+        with self._lock:
+            dead = self._dead
+            if dead is None:
+                self._death_callbacks.append(callback)
+        if dead is not None:
+            callback(dead)
+
     def shutdown(self) -> None:
         self._stopping = True
         self._wake.set()
@@ -155,18 +194,56 @@ class AsyncEngine:
                 return
             if kind == "add":
                 request_id, prompt, params, priority, deadline_s = payload
-                stream = self._streams.get(request_id)
                 try:
                     self.engine.add_processed(request_id, prompt, params, priority, deadline_s)
                 except (InvalidRequestError, QueueFullError) as exc:
-                    self._streams.pop(request_id, None)
-                    if stream:
-                        stream.put(exc)
+                    self._fail_request(request_id, exc)
+                except Exception as exc:  # e.g. building its generator: this request only
+                    log.exception("request %s failed on admission; engine continues", request_id)
+                    self._discard(request_id)
+                    self._fail_request(request_id, exc)
             elif kind == "abort":
-                out = self.engine.abort(payload)
+                try:
+                    out = self.engine.abort(payload)
+                except Exception:
+                    log.exception("abort of %s failed; engine continues", payload)
+                    self._discard(payload)
+                    out = None
                 stream = self._streams.pop(payload, None)
                 if stream is not None and out is not None:
-                    stream.put(out)
+                    self._put(stream, out)
+
+    def _discard(self, request_id: str) -> None:
+        """Drop whatever a half-admitted or failed request left in the engine."""
+        try:
+            self.engine.abort(request_id)
+        except Exception:
+            log.exception("could not abort %s after its failure", request_id)
+        self.engine.detokenizers.pop(request_id, None)
+
+    def _fail_request(self, request_id: str, exc: BaseException) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._put(stream, exc)
+
+    def _put(self, stream: RequestStream, item: RequestOutput | BaseException) -> bool:
+        """Hand ``item`` to a stream; False if its event loop is gone (the caller left)."""
+        try:
+            stream.put(item)
+        except RuntimeError:  # "Event loop is closed"
+            log.warning("request %s: its event loop is closed; dropping it", stream.request_id)
+            return False
+        return True
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        if out.finished:
+            self._streams.pop(out.request_id, None)
+        if not self._put(stream, out) and not out.finished:
+            self._streams.pop(out.request_id, None)
+            self._discard(out.request_id)
 
     def _run(self) -> None:
         try:
@@ -181,17 +258,28 @@ class AsyncEngine:
                 if not outputs and self.engine.last_step_idle:
                     time.sleep(0.001)  # nothing schedulable yet (e.g. KV full): don't spin
                 for out in outputs:
-                    stream = self._streams.get(out.request_id)
-                    if stream is None:
-                        continue
-                    if out.finished:
-                        self._streams.pop(out.request_id, None)
-                    stream.put(out)
+                    self._deliver(out)
                 self._stats = self.engine.get_stats()
         except BaseException as exc:
             log.exception("engine step loop died")
-            self._dead = exc
-            dead = EngineDeadError(f"engine step loop died: {exc!r}")
-            for stream in list(self._streams.values()):
-                stream.put(dead)
+            self._die(exc)
+        else:
+            self._fail_open_streams(EngineDeadError("engine is shutting down"))
+
+    def _fail_open_streams(self, error: EngineDeadError) -> None:
+        with self._lock:
+            streams = list(self._streams.values())
             self._streams.clear()
+        for stream in streams:
+            self._put(stream, error)
+
+    def _die(self, exc: BaseException) -> None:
+        with self._lock:
+            self._dead = exc
+            callbacks = list(self._death_callbacks)
+        self._fail_open_streams(EngineDeadError(f"engine step loop died: {exc!r}"))
+        for callback in callbacks:
+            try:
+                callback(exc)
+            except Exception:
+                log.exception("engine death callback failed")

@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
+
+# ``torch.Generator.manual_seed`` takes [-2**63, 2**64 - 1] and raises outside it; we accept the
+# signed 64-bit range (as vLLM's protocol does) so every seed means one generator state, and an
+# out-of-range seed is a 400 at the door instead of an exception on the engine's step thread.
+SEED_MIN = -(2**63)
+SEED_MAX = 2**63 - 1
+# Stop strings are searched for in the output every step and their longest length minus one is
+# held back from streaming clients, so their length is bounded.
+MAX_STOP_STRING_CHARS = 256
+
+
+def _is_int(value: object) -> bool:
+    """A real integer: ``bool`` is an ``int`` subclass that ``manual_seed`` refuses."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -40,10 +55,21 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     def validate(self) -> None:
+        """Refuse here, on the caller's thread, anything that would raise later on the engine's
+        step thread (a bad seed, a non-finite temperature, a non-string stop) and so fail a
+        request only after it was queued."""
+        for name in ("max_tokens", "top_k", "min_tokens", "seed"):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise InvalidRequestError(f"{name} must be an integer", param=name)
         if self.max_tokens is not None and self.max_tokens < 1:
             raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
-        if self.temperature < 0:
-            raise InvalidRequestError("temperature must be >= 0", param="temperature")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise InvalidRequestError(
+                f"seed must be a signed 64-bit integer, in [{SEED_MIN}, {SEED_MAX}]", param="seed"
+            )
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError("temperature must be a finite number >= 0", "temperature")
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError("top_p must be in (0, 1]", param="top_p")
         if self.top_k < 0:
@@ -52,5 +78,15 @@ class SamplingParams:
             raise InvalidRequestError("min_tokens must be >= 0", param="min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError("min_tokens must not exceed max_tokens", param="min_tokens")
+        if any(not isinstance(s, str) for s in self.stop):
+            raise InvalidRequestError("stop must be a string or a list of strings", param="stop")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty", param="stop")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise InvalidRequestError(
+                f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters", param="stop"
+            )
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError(
+                "stop_token_ids must be non-negative integers", param="stop_token_ids"
+            )

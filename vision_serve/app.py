@@ -133,11 +133,22 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        """200 only while the model is loaded and the step loop runs (orchestrators restart
-        the container otherwise)."""
+        """Liveness: 200 only while the model is loaded and the step loop runs (orchestrators
+        restart the container otherwise). A full queue is still live: see ``/health/ready``."""
         if engine.is_alive():
             return JSONResponse({"status": "ok"})
         return APIError(503, "engine is not running", code="engine_dead").response()
+
+    @app.get("/health/ready")
+    async def ready() -> Response:
+        """Readiness (k8s readinessProbe, load balancers): live and the waiting queue has room,
+        so a new request would be queued rather than refused with 429."""
+        if not engine.is_alive():
+            return APIError(503, "engine is not running", code="engine_dead").response()
+        has_capacity = getattr(engine, "has_capacity", None)
+        if has_capacity is not None and not has_capacity():
+            return APIError(503, "the request queue is full", code="queue_full").response()
+        return JSONResponse({"status": "ready"})
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

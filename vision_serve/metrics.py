@@ -42,10 +42,11 @@ class _StatsSource(Protocol):
 class RequestRecord:
     """Everything the request log line and the histograms need about one finished request."""
 
-    id: str
+    id: str  # the engine's id (ours, unique); the response id is built from it
     endpoint: str
     priority: str
     stream: bool
+    client_request_id: str | None = None  # the client's x-request-id, echoed, never used as a key
     status: int = 200
     finish_reason: str | None = None
     prompt_tokens: int = 0
@@ -65,6 +66,11 @@ class RequestRecord:
     # The engine's own timestamps (monotonic), kept for in-process inspection (tests, debugging
     # tools reading ``app.state.metrics.recent``); not logged.
     engine_metrics: Any = field(default=None, repr=False)
+
+    @property
+    def header_id(self) -> str:
+        """The ``x-request-id`` response header: the client's own id if it sent one."""
+        return self.client_request_id or self.id
 
     def log_fields(self) -> dict[str, Any]:
         out = {k: v for k, v in vars(self).items() if k not in ("itl_s", "engine_metrics")}

@@ -8,13 +8,19 @@ environment variables as defaults (for compose); flags given on the command line
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
+import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from vision_serve.settings import ServerSettings
+
+if TYPE_CHECKING:
+    import uvicorn
 
 logger = logging.getLogger("vision_serve.server")
 
@@ -94,7 +100,10 @@ def configure_logging(level: str) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Load the model (blocking), serve until SIGINT/SIGTERM, then stop the engine."""
+    """Load the model (blocking), serve until SIGINT/SIGTERM, then stop the engine.
+
+    Exit status: 0 after a signal, 1 if the engine's step loop died (a supervisor restarts
+    the process), 3 if uvicorn could not start."""
     import uvicorn
 
     from engine import AsyncEngine
@@ -116,9 +125,10 @@ def run_serve(args: argparse.Namespace) -> int:
         time.monotonic() - t0,
         engine.max_model_len,
     )
+    died = threading.Event()
     try:
         app = create_app(engine, settings)
-        uvicorn.run(
+        config = uvicorn.Config(
             app,
             host=settings.host,
             port=settings.port,
@@ -126,6 +136,34 @@ def run_serve(args: argparse.Namespace) -> int:
             log_config=None,  # keep our logging setup; uvicorn's loggers propagate to root
             timeout_graceful_shutdown=settings.graceful_shutdown_s,
         )
+        server = uvicorn.Server(config)
+        engine.add_death_callback(_stop_on_engine_death(server, settings.graceful_shutdown_s, died))
+        # uvicorn re-raises the SIGINT it handled; uvicorn.run swallows it the same way
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run()
+        if not server.started and not died.is_set():
+            return 3  # uvicorn's STARTUP_FAILURE (e.g. the port is taken)
     finally:
         engine.shutdown()
-    return 0
+    return 1 if died.is_set() else 0
+
+
+def _stop_on_engine_death(
+    server: uvicorn.Server, grace_s: float, died: threading.Event
+) -> Callable[[BaseException], None]:
+    """Death callback for the engine: stop uvicorn so the process exits 1.
+
+    A process that stays up with a dead engine answers every request with 503 and a container
+    restart policy never acts; exiting lets compose/k8s/systemd restart it. Open streams already
+    got their error, so the graceful shutdown is short; a timer ends the process regardless if
+    it hangs (a stuck connection)."""
+
+    def on_death(exc: BaseException) -> None:
+        logger.critical("engine step loop died (%r): shutting down with exit code 1", exc)
+        died.set()
+        server.should_exit = True
+        watchdog = threading.Timer(grace_s + 10.0, os._exit, args=(1,))
+        watchdog.daemon = True
+        watchdog.start()
+
+    return on_death
