@@ -8,7 +8,8 @@ For each mode a server is started on the same checkpoint and dtype, then driven 
   short answer) arriving as a seeded Poisson process at ``--camera-rate`` req/s (``inf``: all
   at t=0).
 
-Modes: ``chunked-N`` (budget N), ``unchunked`` (whole prompt in one step), ``adaptive-X``
+Modes: ``default`` (no step flags: steps sized by predicted time),
+``chunked-N`` (budget N), ``unchunked`` (whole prompt in one step), ``adaptive-X``
 (``--target-itl-ms X``, ``auto`` allowed), any of those with ``+wholeenc`` (image encoding
 not split across steps, as in vLLM/SGLang), ``hf`` / ``hf-cb`` (``transformers serve``
 without / with ``--continuous-batching``; sent plain OpenAI requests). Metric definitions
@@ -117,7 +118,9 @@ def server_command(mode: str, model: Path, port: int, args) -> tuple[list[str], 
         "--max-num-seqs",
         "64",
     ]
-    if mode == "unchunked":
+    if mode == "default":
+        pass  # the server's own defaults: steps sized by predicted time
+    elif mode == "unchunked":
         cmd += ["--no-chunked-prefill", "--max-num-batched-tokens", "8192"]
     elif mode.startswith("chunked-"):
         cmd += ["--max-num-batched-tokens", mode.split("-", 1)[1]]

@@ -10,21 +10,37 @@ twice; the second, warm, time goes to the cost model. Online steps replace these
 bucket by bucket (see :class:`engine.cost_model.StepCostModel`), so the calibration is a
 starting point, not a constant.
 
-Costs: well under a second on the tiny test checkpoints, ~3 s on ``bench``.
+Steps are sized by predicted time by default, so every engine start needs this. It is cached
+per machine, model, dtype and engine shape (:func:`calibration_key`) under
+``$VISION_SERVE_CACHE_DIR`` (default ``~/.cache/vision-serve``): a restart on the same box reuses
+it, a new CPU, checkpoint or dtype runs it again. Prefill shapes stop growing once a step takes
+``MAX_CALIBRATION_STEP_S``: bigger ones teach the fit nothing new and would cost a large model
+minutes on a small CPU.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import platform
 import time
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine.cost_model import StepCostModel, StepFeatures, chunk_attention_units
+from engine.cost_model import FEATURES, StepCostModel, StepFeatures, chunk_attention_units
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledChunk, SchedulerOutput
+from engine.scheduler import EncoderJob, ScheduledChunk, Scheduler, SchedulerOutput
+from engine.step_budget import StepBudget
+
+if TYPE_CHECKING:
+    from engine.config import EngineArgs
+    from engine.llm_engine import LLMEngine
 
 log = logging.getLogger("engine.calibration")
 
@@ -32,6 +48,11 @@ CONTEXT = 64  # tokens each decoding request holds before the decode shapes run
 PREFILL_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)  # past ~1k tokens the fit extrapolates
 DECODE_BATCHES = (1, 2, 4, 8, 16)
 SIDE_CHUNKS = (2, 4, 8, 16, 32, 64)  # prefill tokens next to 4 decodes: the ITL-target regime
+MAX_CALIBRATION_STEP_S = 1.5  # prefill shapes stop growing past a step this long
+# a synthetic image for the encoder shapes: 32x32 patches (a 448x448 picture's worth)
+ENCODER_GRID = (1, 32, 32)
+ENCODER_FRACTIONS = (1 / 32, 1 / 16, 1 / 8)  # of the image's work per step
+CACHE_VERSION = 1  # bump when what a calibration measures changes
 
 
 class _Calibrator:
@@ -40,6 +61,8 @@ class _Calibrator:
         self.params = SamplingParams(temperature=0.0)
         self.lengths: dict[str, int] = {}
         self.samples = 0
+        self.last_seconds = 0.0
+        self.recorded: list[tuple[StepFeatures, float]] = []
 
     def chunk(self, rid: str, n: int, sample: bool) -> ScheduledChunk:
         start = self.lengths.get(rid, 0)
@@ -84,10 +107,59 @@ class _Calibrator:
         seconds = time.perf_counter() - t0
         for rid, total in need.items():
             self.lengths[rid] = total
+        self.last_seconds = seconds
         if observe:
-            self.cost_model.observe(features, seconds)
-            self.samples += 1
+            self.observe(features, seconds)
         return True
+
+    def observe(self, features: StepFeatures, seconds: float) -> None:
+        self.cost_model.observe(features, seconds)
+        self.recorded.append((features, seconds))
+        self.samples += 1
+
+    def encoder_steps(self, decoders: list[str]) -> None:
+        """Steps that advance a synthetic image's encoding, alone and beside decodes: the
+        price of encoder work that time-sized steps ration."""
+        if getattr(self.runner.model, "vision_impl", "engine") != "engine":
+            return  # the transformers tower encodes whole images: nothing to ration
+        proj = self.runner.model.vision_tower().hf.patch_embed.proj.weight
+        t, h, w = ENCODER_GRID
+        pixels = torch.randn(t * h * w, proj[0].numel(), dtype=torch.float32)
+        tag = "calib-image"
+        self.runner.execute(SchedulerOutput(encoder_jobs=[EncoderJob(tag, pixels, ENCODER_GRID)]))
+        job = self.runner.encode_jobs[tag]
+        total = job.remaining_cost
+        try:
+            for fraction in ENCODER_FRACTIONS:
+                for parts in ([], [(rid, 1, True) for rid in decoders[:4]]):
+                    if job.done():
+                        return
+                    self.encoder_step(parts, tag, fraction * total)
+        finally:
+            self.runner.encode_jobs.pop(tag, None)
+            self.runner.encoder_outputs.pop(tag, None)
+
+    def encoder_step(self, parts: list[tuple[str, int, bool]], tag: str, units: float) -> None:
+        need = {rid: self.lengths.get(rid, 0) + n for rid, n, _ in parts}
+        if not self.fits(need):
+            return
+        for rid, total in need.items():
+            self.kv.allocate(rid, total)
+        sched = SchedulerOutput(
+            chunks=[self.chunk(rid, n, sample) for rid, n, sample in parts],
+            encoder_work={tag: units},
+        )
+        features = StepFeatures(fused_decode_rows=self.runner.fused_decode_rows)
+        for c in sched.chunks:
+            features.decode_tokens += 1
+            features.attention_units += c.start + 1
+        t0 = time.perf_counter()
+        result = self.runner.execute(sched)
+        seconds = time.perf_counter() - t0
+        for rid, total in need.items():
+            self.lengths[rid] = total
+        features.encoder_units = result.encoder_units
+        self.observe(features, seconds)
 
     def shape(self, build) -> None:
         """One shape twice: a cold run, then a warm one the cost model learns from."""
@@ -109,14 +181,18 @@ def calibrate(
     cost_model: StepCostModel,
     max_num_batched_tokens: int,
     max_num_seqs: int,
-) -> int:
-    """Seed ``cost_model`` with synthetic steps; returns how many it observed."""
+) -> list[tuple[StepFeatures, float]]:
+    """Seed ``cost_model`` with synthetic steps; returns the (features, seconds) observed."""
     cal = _Calibrator(runner, kv, cost_model)
     t0 = time.perf_counter()
     try:
         for n in PREFILL_SIZES:
-            if n <= max_num_batched_tokens:
-                cal.shape(lambda n=n: ([("calib-prefill", n, False)], ["calib-prefill"]))
+            if n > max_num_batched_tokens:
+                break
+            cal.shape(lambda n=n: ([("calib-prefill", n, False)], ["calib-prefill"]))
+            if cal.last_seconds > MAX_CALIBRATION_STEP_S:
+                break
+        cal.release("calib-prefill")
         decoders = [f"calib-dec-{i}" for i in range(min(max(DECODE_BATCHES), max_num_seqs))]
         for rid in decoders:  # give each decoder a context, as a real one would have
             if not cal.step([(rid, CONTEXT, False)], observe=False):
@@ -136,13 +212,123 @@ def calibrate(
                             [],
                         )
                     )
+        cal.encoder_steps(side)
     finally:
         for rid in list(cal.lengths):
             cal.release(rid)
+    cost_model.refit()
     log.info(
         "cost_model_calibrated samples=%d secs=%.2f coefficients=%s",
         cal.samples,
         time.perf_counter() - t0,
         {k: f"{v:.2e}" for k, v in cost_model.coefficients().items()},
     )
-    return cal.samples
+    return cal.recorded
+
+
+# ---- the per-machine cache ---------------------------------------------------------------------
+def cache_dir() -> Path:
+    root = os.environ.get("VISION_SERVE_CACHE_DIR") or Path.home() / ".cache" / "vision-serve"
+    return Path(root) / "calibration"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def calibration_key(engine: LLMEngine) -> str:
+    """What a calibration depends on: the machine (CPU model, ISA torch uses, threads, GPU),
+    the model (its config), the dtype and the engine's shape (kernels, item sizes, limits)."""
+    args: EngineArgs = engine.args
+    device = engine.device
+    parts = {
+        "version": CACHE_VERSION,
+        "features": FEATURES,
+        "torch": torch.__version__,
+        "cpu": _cpu_name(),
+        "isa": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "config": (engine.model_dir / "config.json").read_text(),
+        "dtype": str(engine.dtype),
+        "fused_decode_rows": engine.runner.fused_decode_rows,
+        "encoder_rows_per_item": engine.runner.encoder_rows_per_item,
+        "block_size": args.block_size,
+        "token_cap": engine.scheduler.config.max_num_batched_tokens,
+        "max_num_seqs": args.max_num_seqs,
+    }
+    blob = json.dumps(parts, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:24]
+
+
+def calibrate_cached(
+    runner: ModelRunner,
+    kv: KVCacheManager,
+    cost_model: StepCostModel,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    key: str,
+) -> None:
+    """Seed ``cost_model`` from this machine's cached calibration, or calibrate and cache it."""
+    path = cache_dir() / f"{key}.json"
+    try:
+        samples = json.loads(path.read_text())["samples"]
+        for fields, seconds in samples:
+            cost_model.observe(StepFeatures(**fields), float(seconds))
+        cost_model.refit()
+        if cost_model.ready:
+            log.info("cost_model_from_cache path=%s samples=%d", path, len(samples))
+            return
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no cache yet, or one this code cannot read: measure
+    recorded = calibrate(runner, kv, cost_model, max_num_batched_tokens, max_num_seqs)
+    data = {"samples": [(vars(f), s) for f, s in recorded]}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
+    except OSError as exc:  # a read-only home: calibrate again next start
+        log.warning("calibration not cached (%s): %s", path, exc)
+
+
+def log_step_policy(scheduler: Scheduler, args: EngineArgs) -> None:
+    """State at start-up how steps will be sized and why, in numbers."""
+    cfg = scheduler.config
+    limits = cfg.limits
+    if not limits.time_sized:
+        log.info(
+            "step_policy mode=fixed-tokens max_num_batched_tokens=%d (set by the user; no time "
+            "limit: a step takes as long as its tokens do)",
+            cfg.max_num_batched_tokens,
+        )
+        return
+    budget = StepBudget(limits, scheduler.cost_model, cfg.fused_decode_rows)
+    budget.add_decode(CONTEXT)
+    budget.open_prefill(interactive_decoding=True)
+    decode_s = scheduler.cost_model.predict(
+        StepFeatures(decode_tokens=1, attention_units=CONTEXT, force_eager=True)
+    )
+    bound = budget.step_bound_s()
+    per_token = scheduler.cost_model.compute_bound_prefill_s()
+    log.info(
+        "step_policy mode=time-sized token_cap=%d itl_target=%s (%s ms with one chat stream) "
+        "max_step=%s (%s ms) decode_step=%.1f ms prefill=%.2f ms/token => up to ~%d prompt "
+        "tokens per batch-only step; why: an arriving chat request waits at most one step, and "
+        "chat streams keep their ITL while camera work fills what they leave",
+        cfg.max_num_batched_tokens,
+        "off" if limits.target_itl_s is None else limits.target_itl_s,
+        "-" if budget.itl_target_s is None else f"{budget.itl_target_s * 1e3:.1f}",
+        "off" if limits.max_step_s is None else limits.max_step_s,
+        "-" if bound is None else f"{bound * 1e3:.1f}",
+        decode_s * 1e3,
+        per_token * 1e3,
+        int((bound or 0) / per_token) if per_token > 0 else cfg.max_num_batched_tokens,
+    )

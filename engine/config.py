@@ -14,6 +14,8 @@ import types
 import typing
 from dataclasses import dataclass, fields
 
+from engine.step_budget import AUTO, StepLimits
+
 ENV_PREFIX = "VISION_SERVE_"
 
 
@@ -24,7 +26,9 @@ class EngineArgs:
         "auto"  # auto | float32 | bfloat16 | float16 ("auto": bf16 on CPUs with bf16 units)
     )
     device: str = "auto"  # auto | cpu | cuda
-    max_num_batched_tokens: int = 2048
+    # None: steps sized by predicted time (target_itl_ms, max_step_ms: auto) under a token cap;
+    # a number: a fixed token budget per step, time limits only where asked for
+    max_num_batched_tokens: int | None = None
     max_num_seqs: int = 64
     max_model_len: int | None = None
     block_size: int = 16
@@ -33,8 +37,10 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0: no per-request cap below the step budget
     enable_prefix_caching: bool = True
-    # SLO-driven budget: target step time (ms) while interactive streams decode, or "auto"
-    target_itl_ms: str | None = None
+    # step-time limits: ms, "auto" or "off"; None: auto when steps are sized by time, off
+    # with a fixed --max-num-batched-tokens
+    target_itl_ms: str | None = None  # while interactive requests are active
+    max_step_ms: str | None = None  # any step (batch-only work included)
     auto_itl_factor: float = 1.25  # "auto" target = this x the predicted decode-only step
     encoder_cache_size: int = 16384  # image embeddings (tokens) kept for reuse
     enable_chunked_encoder: bool = True  # image encoding advanced under the step budget
@@ -45,40 +51,75 @@ class EngineArgs:
     num_threads: int | None = None  # torch intra-op threads on CPU (None: torch default)
     max_queue_len: int = 0  # 0: unbounded waiting queue
     preprocess_workers: int = 2
+    # image size bounds (pixels) every image is resized into; None: the checkpoint's processor's.
+    # Image tokens scale with pixels, so this is the cheapest lever on a frame's cost.
+    max_pixels: int | None = None
+    min_pixels: int | None = None
     cpu_kernels: bool = True  # bf16 CPU: native decode step and prefill attention (engine/kernels)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
-        self.target_itl_s()  # validate early
+        for name in ("min_pixels", "max_pixels"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
+            raise ValueError("min_pixels must be <= max_pixels")
+        self.step_limits()  # validate early
+
+    @property
+    def time_sized(self) -> bool:
+        """Steps sized by predicted time unless the user fixed a token budget."""
+        return self.max_num_batched_tokens is None
 
     def target_itl_s(self) -> float | str | None:
         """``target_itl_ms`` as the scheduler wants it: seconds, "auto" or None (off)."""
-        value = self.target_itl_ms
-        if value is None or str(value).lower() in ("", "none", "off"):
-            return None
-        if str(value).lower() == "auto":
-            return "auto"
-        try:
-            ms = float(value)
-        except ValueError:
-            raise ValueError(
-                f"target_itl_ms must be a number of ms or 'auto', got {value!r}"
-            ) from None
-        if ms <= 0:
-            raise ValueError("target_itl_ms must be positive")
-        return ms / 1e3
+        return _time_limit("target_itl_ms", self.target_itl_ms, self.time_sized)
+
+    def step_limits(self) -> StepLimits:
+        """The step policy: a token cap and the time limits, defaults resolved."""
+        return StepLimits(
+            max_tokens=self.max_num_batched_tokens or TIME_SIZED_TOKEN_CAP,
+            target_itl_s=self.target_itl_s(),
+            max_step_s=_time_limit("max_step_ms", self.max_step_ms, self.time_sized),
+            auto_itl_factor=self.auto_itl_factor,
+        )
+
+
+# tokens per step when steps are sized by time: a bound on activation memory, not the budget
+TIME_SIZED_TOKEN_CAP = 8192
+
+
+def _time_limit(name: str, value: str | float | None, time_sized: bool) -> float | str | None:
+    """A ms flag as seconds, "auto" or None (off); unset means auto only when time-sized."""
+    if value is None or str(value) == "":
+        return AUTO if time_sized else None
+    text = str(value).lower()
+    if text in ("none", "off"):
+        return None
+    if text == AUTO:
+        return AUTO
+    try:
+        ms = float(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of ms, 'auto' or 'off'; got {value!r}") from None
+    if not ms > 0 or ms == float("inf"):
+        raise ValueError(f"{name} must be a positive number of ms")
+    return ms / 1e3
 
 
 HELP = {
     "model": "checkpoint directory (Hugging Face layout: config.json, *.safetensors, processor)",
     "dtype": "auto | float32 | bfloat16 | float16 (auto: bf16 where the CPU/GPU runs it fast)",
     "device": "auto | cpu | cuda",
-    "max_num_batched_tokens": "token budget of one step (decodes + prefill chunks)",
+    "max_num_batched_tokens": "fixed token budget of one step (decodes + prefill chunks); "
+    "default: steps sized by predicted time (--target-itl-ms, --max-step-ms) under a cap of "
+    "8192 tokens",
     "max_num_seqs": "most requests running at once",
     "max_model_len": "context length (default: the model's max_position_embeddings)",
     "block_size": "tokens per KV-cache block",
@@ -87,7 +128,10 @@ HELP = {
     "enable_chunked_prefill": "split long prompts across steps (off: whole prompt in one step)",
     "long_prefill_token_threshold": "cap on one request's prefill chunk per step (0: none)",
     "enable_prefix_caching": "reuse KV blocks of identical prefixes (text and images)",
-    "target_itl_ms": "SLO-driven budget: step-time target while chat decodes, or 'auto'",
+    "target_itl_ms": "step-time target (ms) while interactive requests are active; 'auto' "
+    "(default when steps are sized by time): --auto-itl-factor x the decode step; 'off'",
+    "max_step_ms": "bound (ms) on any step's predicted time, so an arriving chat request waits "
+    "at most one short step; 'auto' (default when sized by time): 4x the decode step, >= 50 ms",
     "auto_itl_factor": "with --target-itl-ms auto: target = factor x decode-only step time",
     "encoder_cache_size": "image embeddings (in tokens) kept for reuse",
     "enable_chunked_encoder": "advance image encoding under the step budget (off: whole image)",
@@ -97,6 +141,8 @@ HELP = {
     "num_threads": "torch CPU threads (default: torch's choice)",
     "max_queue_len": "waiting requests before new ones are refused (0: unbounded)",
     "preprocess_workers": "threads decoding and preprocessing images off the step loop",
+    "max_pixels": "most pixels an image is resized to (fewer image tokens; default: checkpoint's)",
+    "min_pixels": "fewest pixels an image is resized to (default: the checkpoint's)",
     "cpu_kernels": "bf16 CPU: decode-only steps as one native call, prefill and vision attention "
     "in a native flash kernel (built on first use; PyTorch where they cannot run)",
 }

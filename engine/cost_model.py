@@ -140,6 +140,12 @@ class StepCostModel:
         ):
             self._fit()
 
+    def refit(self) -> None:
+        """Fit now on every sample held (after a batch of observations, e.g. a cached
+        calibration, whose last few would otherwise wait for ``refit_every`` more)."""
+        if self.num_samples and not self.fixed:
+            self._fit()
+
     def _fit(self) -> None:
         samples = [sample for bucket in self.buckets.values() for sample in bucket]
         x = np.stack([v for v, _ in samples])

@@ -30,7 +30,8 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Prompts: a str, a vLLM-style dict, or a list of those; batched together."""
+        """Prompts: a str, a vLLM-style dict (``prompt``, ``multi_modal_data``,
+        ``mm_processor_kwargs``), or a list of those; batched together."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         return self._run(list(prompts), sampling_params, use_tqdm)
@@ -41,11 +42,21 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
         chat_template_kwargs: dict | None = None,
+        mm_processor_kwargs: dict[str, int] | None = None,
     ) -> list[RequestOutput]:
-        """One conversation or a list of conversations (OpenAI-style messages, image parts OK)."""
+        """One conversation or a list of conversations (OpenAI-style messages, image parts OK).
+
+        ``mm_processor_kwargs`` (``min_pixels`` / ``max_pixels``) resize these conversations'
+        images within other bounds than the engine's, as in vLLM.
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         inputs = [
-            {"messages": c, "chat_template_kwargs": chat_template_kwargs} for c in conversations
+            {
+                "messages": c,
+                "chat_template_kwargs": chat_template_kwargs,
+                "mm_processor_kwargs": mm_processor_kwargs,
+            }
+            for c in conversations
         ]
         return self._run(inputs, sampling_params, use_tqdm)
 

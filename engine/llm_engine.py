@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from engine.calibration import calibrate
+from engine.calibration import calibrate_cached, calibration_key, log_step_policy
 from engine.config import EngineArgs
 from engine.detokenizer import IncrementalDetokenizer
 from engine.device import (
@@ -54,7 +54,9 @@ class LLMEngine:
         self.model, self.hf_config, self.architecture = load_model(
             self.model_dir, self.dtype, self.device, cpu_kernels=args.cpu_kernels
         )
-        self.processor = InputProcessor(self.model_dir, self.hf_config)
+        self.processor = InputProcessor(
+            self.model_dir, self.hf_config, min_pixels=args.min_pixels, max_pixels=args.max_pixels
+        )
         self.tokenizer = self.processor.tokenizer
         self.eos_token_ids = self._eos_ids()
 
@@ -79,14 +81,16 @@ class LLMEngine:
             self.eos_token_ids,
             encoder_rows_per_item=self._encoder_rows_per_item(args),
         )
+        limits = args.step_limits()
         self.scheduler = Scheduler(
             SchedulerConfig(
-                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_batched_tokens=limits.max_tokens,
                 max_num_seqs=args.max_num_seqs,
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
-                target_itl_s=args.target_itl_s(),
+                target_itl_s=limits.target_itl_s,
+                max_step_s=limits.max_step_s,
                 auto_target_factor=args.auto_itl_factor,
                 enable_chunked_encoder=args.enable_chunked_encoder,
                 encoder_unit_tokens=self.model.encoder_unit_tokens(),
@@ -95,21 +99,23 @@ class LLMEngine:
             self.kv,
             self.encoder_cache,
         )
-        if args.target_itl_s() is not None:  # the target is only as good as the cost model
-            calibrate(
+        if limits.time_sized:  # a time limit is only as good as the cost model
+            calibrate_cached(
                 self.runner,
                 self.kv,
                 self.scheduler.cost_model,
-                args.max_num_batched_tokens,
+                limits.max_tokens,
                 args.max_num_seqs,
+                key=calibration_key(self),
             )
+        log_step_policy(self.scheduler, args)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.last_step_idle = False  # the last step had nothing to run
         self.stats = EngineStats(kv_blocks_total=num_blocks)
         freeze_loaded_objects()
         log.info(
             "engine_ready model=%s arch=%s dtype=%s device=%s kv_blocks=%d block_size=%d "
-            "max_model_len=%d budget=%d chunked=%s",
+            "max_model_len=%d token_cap=%d chunked=%s",
             self.model_name,
             self.architecture,
             str(self.dtype).removeprefix("torch."),
@@ -117,7 +123,7 @@ class LLMEngine:
             num_blocks,
             args.block_size,
             self.max_model_len,
-            args.max_num_batched_tokens,
+            limits.max_tokens,
             args.enable_chunked_prefill,
         )
 
@@ -161,6 +167,16 @@ class LLMEngine:
                 f"prompt is {n} tokens; this model's context (max_model_len) is "
                 f"{self.max_model_len}, leaving no room to generate",
                 param="messages",
+            )
+        # vLLM and OpenAI refuse an output limit the context cannot hold, rather than cutting
+        # the answer short with finish_reason="length" the client did not ask for.
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {n + params.max_tokens} tokens ({n} in the messages, "
+                f"{params.max_tokens} in the completion). Please reduce the length of the "
+                "messages or completion.",
+                param="max_tokens",
             )
         if -(-(n + 1) // self.args.block_size) > self.kv.num_blocks:
             raise PromptTooLongError(

@@ -22,6 +22,37 @@ from engine.errors import EmptyPromptError, InvalidImageError, InvalidRequestErr
 from engine.request import ImageInput, ProcessedPrompt
 
 Messages = list[dict[str, Any]]
+# vLLM's per-request ``mm_processor_kwargs`` keys we honour: the image size bounds (in pixels)
+# the Qwen2-VL image processor resizes every image into. Image tokens scale with pixels.
+MM_PROCESSOR_KEYS = ("min_pixels", "max_pixels")
+
+
+def check_mm_processor_kwargs(kwargs: Any) -> dict[str, int]:
+    """Validate a request's ``mm_processor_kwargs``; returns the overrides as plain ints.
+
+    Only the known keys pass: anything else would reach the HF processor unchecked, where a
+    typo is silently ignored (the caller pays for the tokens it meant to save) or fails deep
+    inside it. Raises :class:`InvalidRequestError` (HTTP 400 on the server).
+    """
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise InvalidRequestError(
+            "mm_processor_kwargs must be an object", param="mm_processor_kwargs"
+        )
+    out: dict[str, int] = {}
+    for key, value in kwargs.items():
+        param = f"mm_processor_kwargs.{key}"
+        if key not in MM_PROCESSOR_KEYS:
+            raise InvalidRequestError(
+                f"mm_processor_kwargs: unsupported key {key!r} (supported: "
+                f"{', '.join(MM_PROCESSOR_KEYS)})",
+                param=param,
+            )
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidRequestError(f"{param} must be a positive integer, got {value!r}", param)
+        out[key] = value
+    return out
 
 
 def load_image(source: Any) -> Image.Image:
@@ -114,18 +145,43 @@ def _split_messages(messages: Messages) -> tuple[Messages, list[Any]]:
 
 
 class InputProcessor:
-    def __init__(self, model_dir: str | Path, hf_config) -> None:
+    """Prompts -> :class:`ProcessedPrompt`.
+
+    ``min_pixels`` / ``max_pixels`` (``--min-pixels`` / ``--max-pixels``) replace the
+    checkpoint's image size bounds engine-wide; ``None`` keeps the checkpoint's. A request's
+    ``mm_processor_kwargs`` override them again for its own images only.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        hf_config,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+    ) -> None:
         from transformers import AutoProcessor
 
         self.processor = AutoProcessor.from_pretrained(model_dir)
         self.tokenizer = self.processor.tokenizer
         self.image_token_id: int = hf_config.image_token_id
         self.spatial_merge_size: int = hf_config.vision_config.spatial_merge_size
+        size = self.processor.image_processor.size  # transformers 5: shortest/longest_edge
+        self.min_pixels = int(size["shortest_edge"]) if min_pixels is None else min_pixels
+        self.max_pixels = int(size["longest_edge"]) if max_pixels is None else max_pixels
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(
+                f"min_pixels {self.min_pixels} > max_pixels {self.max_pixels} (a bound not "
+                "given comes from the checkpoint's image processor)"
+            )
 
     # ---- public ---------------------------------------------------------------------------
     def process_chat(
-        self, messages: Messages, chat_template_kwargs: dict | None = None
+        self,
+        messages: Messages,
+        chat_template_kwargs: dict | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> ProcessedPrompt:
+        size = self._image_size(mm_processor_kwargs)
         hf_messages, sources = _split_messages(messages)
         images = [self._load(src, n) for n, src in enumerate(sources)]
         text = self.processor.apply_chat_template(
@@ -134,14 +190,20 @@ class InputProcessor:
             tokenize=False,
             **(chat_template_kwargs or {}),
         )
-        return self._process(text, images)
+        return self._process(text, images, size)
 
-    def process_prompt(self, prompt: str, images: list[Any] | None = None) -> ProcessedPrompt:
+    def process_prompt(
+        self,
+        prompt: str,
+        images: list[Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+    ) -> ProcessedPrompt:
         """A raw prompt (no chat template). Images need their placeholders in the text."""
         if not isinstance(prompt, str):
             raise InvalidRequestError("prompt must be a string", param="prompt")
+        size = self._image_size(mm_processor_kwargs)
         loaded = [self._load(src, n) for n, src in enumerate(images or [])]
-        return self._process(prompt, loaded)
+        return self._process(prompt, loaded, size)
 
     def process(self, inputs: Any) -> ProcessedPrompt:
         """Dispatch on shape: str prompt, messages list, or a vLLM-style dict."""
@@ -152,8 +214,11 @@ class InputProcessor:
         if isinstance(inputs, list):
             return self.process_chat(inputs)
         if isinstance(inputs, dict):
+            mm_kwargs = inputs.get("mm_processor_kwargs")
             if "messages" in inputs:
-                return self.process_chat(inputs["messages"], inputs.get("chat_template_kwargs"))
+                return self.process_chat(
+                    inputs["messages"], inputs.get("chat_template_kwargs"), mm_kwargs
+                )
             if "prompt_token_ids" in inputs:
                 ids = list(inputs["prompt_token_ids"])
                 return self._from_ids(None, ids, [], None)
@@ -161,7 +226,7 @@ class InputProcessor:
                 mm = inputs.get("multi_modal_data") or {}
                 imgs = mm.get("image") or []
                 return self.process_prompt(
-                    inputs["prompt"], imgs if isinstance(imgs, list) else [imgs]
+                    inputs["prompt"], imgs if isinstance(imgs, list) else [imgs], mm_kwargs
                 )
         raise InvalidRequestError(f"unsupported prompt type {type(inputs).__name__}")
 
@@ -172,9 +237,28 @@ class InputProcessor:
         except InvalidImageError as exc:
             raise InvalidImageError(f"image {index}: {exc}", param=exc.param) from None
 
-    def _process(self, text: str, images: list[Image.Image]) -> ProcessedPrompt:
+    def _image_size(self, mm_processor_kwargs: dict[str, Any] | None) -> dict[str, int]:
+        """The image processor's ``size`` for one request: the engine's bounds, with the
+        request's ``mm_processor_kwargs`` on top (validated here, so the offline API and the
+        server refuse the same things)."""
+        overrides = check_mm_processor_kwargs(mm_processor_kwargs)
+        lo = overrides.get("min_pixels", self.min_pixels)
+        hi = overrides.get("max_pixels", self.max_pixels)
+        if lo > hi:
+            raise InvalidRequestError(
+                f"mm_processor_kwargs: min_pixels {lo} > max_pixels {hi} (a bound not given "
+                "is the server's)",
+                param="mm_processor_kwargs",
+            )
+        return {"shortest_edge": lo, "longest_edge": hi}
+
+    def _process(
+        self, text: str, images: list[Image.Image], size: dict[str, int]
+    ) -> ProcessedPrompt:
+        # ``size`` goes to the image processor only (transformers 5 spelling of the bounds)
+        kwargs: dict[str, Any] = {"images_kwargs": {"size": size}} if images else {}
         try:
-            enc = self.processor(text=[text], images=images or None, return_tensors="pt")
+            enc = self.processor(text=[text], images=images or None, return_tensors="pt", **kwargs)
         except InvalidRequestError:
             raise
         except (ValueError, IndexError) as exc:  # e.g. placeholder count != image count

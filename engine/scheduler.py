@@ -16,7 +16,6 @@ model runner only executes the plain :class:`SchedulerOutput` it is given.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -24,11 +23,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.cost_model import StepCostModel, StepFeatures, chunk_attention_units
+from engine.cost_model import StepCostModel, StepFeatures
 from engine.encoder_cache import EncoderCacheManager
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Priority, Request, RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.step_budget import StepBudget, StepLimits
 
 
 @dataclass
@@ -90,17 +90,27 @@ class SchedulerConfig:
     max_model_len: int = 4096
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
-    # SLO-driven budget: None = off (fixed budget); a float = target step time in seconds while
-    # interactive requests decode; "auto" = auto_target_factor x the predicted decode-only step
+    # time limits on a step's predicted duration (engine/step_budget.py); default: none, the
+    # token budget alone sizes steps
     target_itl_s: float | str | None = None
+    max_step_s: float | str | None = None
     auto_target_factor: float = 1.25
-    max_deferred_steps: int = 16  # starvation guard for prefills held back by the target
+    max_deferred_steps: int = 16  # starvation guard for prefills held back by the time limit
     # stall-free encoding: image encoding is advanced under the step budget, not run whole
     enable_chunked_encoder: bool = True
     # FLOP-based token equivalent of one encoder unit, until the cost model calibrates it
     encoder_unit_tokens: float = 0.01
     # decode-only steps of up to this many rows run the fused CPU kernel (0: no kernel)
     fused_decode_rows: int = 0
+
+    @property
+    def limits(self) -> StepLimits:
+        return StepLimits(
+            max_tokens=self.max_num_batched_tokens,
+            target_itl_s=self.target_itl_s,
+            max_step_s=self.max_step_s,
+            auto_itl_factor=self.auto_target_factor,
+        )
 
 
 def _rank(req: Request) -> tuple[int, float]:
@@ -167,39 +177,42 @@ class Scheduler:
         out = SchedulerOutput()
         now = self.clock()
         self._expire_stale(out, now)
-        budget = self.config.max_num_batched_tokens
+        budget = self.new_budget()
         scheduled: set[str] = set()
-        features = StepFeatures(fused_decode_rows=self.config.fused_decode_rows)
 
         # 1. decodes, one token each, best class first
         interactive_decoding = False
         for req in sorted((r for r in self.running if not r.is_prefill), key=_rank):
-            if budget < 1:
+            if budget.tokens_left < 1:
                 break
             if req.request_id in out.preempted_ids:
                 continue
             if not self._reserve(req, 1, scheduled, out):
                 continue
+            budget.add_decode(req.num_computed_tokens + 1)
             self._emit(req, 1, out, now)
             scheduled.add(req.request_id)
-            budget -= 1
-            features.decode_tokens += 1
-            features.attention_units += req.num_computed_tokens + 1
             interactive_decoding |= req.priority is Priority.INTERACTIVE
 
-        # while interactive streams decode, the ITL target (if any) caps the prefill work
-        target = self._step_target(features) if interactive_decoding else None
-        out.target_s = target
-        prefill_tokens = 0
-
         # 2. prompt chunks: running part-done prompts and waiting requests, best class first;
-        #    a waiting interactive request outranks a half-done batch prefill.
+        #    a waiting interactive request outranks a half-done batch prefill. The time limit
+        #    is the ITL target while chat decodes, else the step bound; batch work next to
+        #    active interactive work gets the ITL target at most.
+        budget.open_prefill(interactive_decoding)
+        interactive_active = interactive_decoding or any(
+            r.priority is Priority.INTERACTIVE for r in self.running + self.waiting
+        )
         candidates = [r for r in self.running if r.is_prefill and r.request_id not in scheduled]
         candidates += self.waiting
         prefill_scheduled = False
+        prefill_tokens = 0
+        restricted = False
         for req in sorted(candidates, key=_rank):
-            if budget < 1:
+            if budget.tokens_left < 1:
                 break
+            if interactive_active and req.priority is Priority.BATCH and not restricted:
+                budget.restrict_to_itl()
+                restricted = True
             if req.status is RequestStatus.PREEMPTED and req.request_id in out.preempted_ids:
                 continue  # preempted in this very step; its turn comes next step
             is_waiting = req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -209,15 +222,12 @@ class Scheduler:
             if is_waiting and req.num_computed_tokens == 0:
                 cached_blocks = self._cached_prefix(req)
             computed = max(req.num_computed_tokens, len(cached_blocks) * self.kv.block_size)
-            n = self._chunk_size(req, computed, budget, prefill_scheduled)
+            n = self._chunk_size(req, computed, budget.tokens_left, prefill_scheduled)
             if n and req.prompt.images:
-                n, encoder_tokens = self._gate_on_images(
-                    req, computed, n, budget, features, target, out
-                )
-                budget -= encoder_tokens
-                n = min(n, max(0, budget))  # encoder work and tokens share the step budget
-            if n and target is not None:
-                n = self._fit_under_target(req, computed, n, features, target)
+                n = self._gate_on_images(req, computed, n, budget, out)
+                n = min(n, max(0, budget.tokens_left))  # encoder work and tokens share it
+            if n and budget.limit_s is not None:
+                n = self._fit_or_defer(req, computed, n, budget)
             if n == 0:
                 continue
             if is_waiting:
@@ -233,51 +243,50 @@ class Scheduler:
             elif not self._reserve(req, n, scheduled, out):
                 continue
             req.deferred_steps = 0
-            features = features.plus(self._chunk_features(req, computed, n))
+            budget.add_chunk(computed, n)
             self._emit(req, n, out, now)
             scheduled.add(req.request_id)
             prefill_scheduled = True
-            budget -= n
             prefill_tokens += n
-        out.features = features
-        if target is not None:
-            out.predicted_s = self.cost_model.predict(features)
-        self.last_target_s = target
-        self.last_prefill_budget = prefill_tokens if target is not None else budget + prefill_tokens
+        out.features = budget.features
+        out.target_s = budget.limit_s
+        if budget.limit_s is not None:
+            out.predicted_s = budget.predicted_s
+        self.last_target_s = budget.limit_s
+        self.last_prefill_budget = (
+            prefill_tokens if budget.limit_s is not None else budget.tokens_left + prefill_tokens
+        )
         return out
 
-    # ---- budget sizing --------------------------------------------------------------------
-    def _step_target(self, decode_features: StepFeatures) -> float | None:
-        target = self.config.target_itl_s
-        if target is None or not self.cost_model.ready:
-            return None
-        if target == "auto":
-            # priced as an eager forward: any step that carries prefill runs eager, so a target
-            # under that (the fused decode-only step's) would admit no prefill at all
-            eager = dataclasses.replace(decode_features, force_eager=True)
-            return self.config.auto_target_factor * self.cost_model.predict(eager)
-        return float(target)
+    def new_budget(self) -> StepBudget:
+        """An empty account for one step under this scheduler's limits and cost model."""
+        return StepBudget(
+            self.config.limits,
+            self.cost_model,
+            self.config.fused_decode_rows,
+            self.kv.block_size,
+            self.config.encoder_unit_tokens,
+        )
 
-    def _chunk_features(self, req: Request, start: int, n: int) -> StepFeatures:
-        return StepFeatures(prefill_tokens=n, attention_units=chunk_attention_units(start, n))
+    def _fit_or_defer(self, req: Request, start: int, n: int, budget: StepBudget) -> int:
+        """The largest chunk the step's time allows; a prefill deferred for
+        ``max_deferred_steps`` steps gets one block's worth anyway (no starvation)."""
+        k = budget.fit_chunk(start, n)
+        if k == 0:
+            req.deferred_steps += 1
+            if req.deferred_steps > self.config.max_deferred_steps:
+                return min(n, self.kv.block_size)
+        return k
 
     # ---- stall-free encoding --------------------------------------------------------------
     def _gate_on_images(
-        self,
-        req: Request,
-        start: int,
-        n: int,
-        budget: int,
-        features: StepFeatures,
-        target: float | None,
-        out: SchedulerOutput,
-    ) -> tuple[int, int]:
+        self, req: Request, start: int, n: int, budget: StepBudget, out: SchedulerOutput
+    ) -> int:
         """Advance the encoding of images this chunk reaches; cut the chunk before the first
         image whose embeddings will not be ready by the end of this step.
 
-        Returns (tokens the chunk may cover, step budget spent on encoder work, in tokens).
+        Returns the tokens the chunk may cover; encoder work is charged to ``budget``.
         """
-        spent = 0
         for im in req.prompt.images:
             if im.offset >= start + n:
                 break
@@ -287,20 +296,19 @@ class Scheduler:
             if h not in out.encoder_work:
                 self._pin_image(req, im, out)
                 text_before = max(0, im.offset - start)  # the chunk's tokens ahead of it
-                units = self._encoder_allowance(budget - spent - text_before, features, target, req)
+                units = self._encoder_allowance(budget, text_before, req)
                 if units > 0:
                     out.encoder_work[h] = units
                     left = self.encoder_cache.encoding_left(h)
                     planned = units if left is None else min(units, left)
                     if math.isfinite(planned):
-                        features.encoder_units += planned
-                        spent += math.ceil(planned * self._tokens_per_encoder_unit())
+                        budget.add_encoder(planned)
             left = self.encoder_cache.encoding_left(h)
             units = out.encoder_work.get(h, 0.0)
             completes = math.isinf(units) or (left is not None and units >= left * (1 - 1e-9))
             if not completes:
-                return max(0, im.offset - start), spent
-        return n, spent
+                return max(0, im.offset - start)
+        return n
 
     def _pin_image(self, req: Request, im, out: SchedulerOutput) -> None:
         if self.encoder_cache.pinned_by(im.content_hash, req.request_id):
@@ -312,64 +320,18 @@ class Scheduler:
         if must_encode:
             out.encoder_jobs.append(EncoderJob(im.content_hash, im.pixel_values, im.grid_thw))
 
-    def _tokens_per_encoder_unit(self) -> float:
-        """Budget tokens one encoder unit costs: by measured time once the cost model knows
-        both rates (vision attention is slower per FLOP than decoder matmuls), by FLOPs before."""
-        per_unit = self.cost_model.seconds_per("encoder_units")
-        per_token = self.cost_model.compute_bound_prefill_s()
-        if per_unit > 0 and per_token > 0:
-            return per_unit / per_token
-        return self.config.encoder_unit_tokens
-
-    def _encoder_allowance(
-        self, budget: int, features: StepFeatures, target: float | None, req: Request
-    ) -> float:
-        """Encoder work (units) this step may carry: the budget left, and under an ITL target
-        the time left. 0 defers it (a starved job still gets one work item now and then)."""
+    def _encoder_allowance(self, budget: StepBudget, reserved_tokens: int, req: Request) -> float:
+        """Encoder work (units) this step may carry: the budget's tokens and time left. 0
+        defers it (a starved job still gets one work item now and then)."""
         if not self.config.enable_chunked_encoder:
             return math.inf
-        units = max(0, budget) / self._tokens_per_encoder_unit()
-        if target is not None:
-            per_unit = self.cost_model.seconds_per("encoder_units")
-            if per_unit <= 0:  # not separated by the fit yet: price it by FLOPs, never as free
-                per_unit = (
-                    self.cost_model.compute_bound_prefill_s() * self.config.encoder_unit_tokens
-                )
-            time_left = target - self.cost_model.predict(features)
-            units = min(units, max(0.0, time_left) / per_unit) if per_unit > 0 else 0.0
+        units = budget.encoder_allowance(reserved_tokens)
         if units <= 0:
             req.deferred_steps += 1
             if req.deferred_steps > self.config.max_deferred_steps:
                 req.deferred_steps = 0
                 return 1e-9  # the runner always runs at least one work item
         return units
-
-    def _fit_under_target(
-        self, req: Request, start: int, n: int, base: StepFeatures, target: float
-    ) -> int:
-        """Largest chunk (<= n) whose step still meets the target; 0 defers the prefill.
-        A prefill deferred for ``max_deferred_steps`` steps gets one block's worth anyway."""
-
-        def fits(k: int) -> bool:
-            return self.cost_model.predict(base.plus(self._chunk_features(req, start, k))) <= target
-
-        if self.cost_model.compute_bound_prefill_s() <= 0:
-            # the fit has not separated prefill cost yet: a prediction would call any chunk free
-            return min(n, self.kv.block_size)
-        if fits(n):
-            return n
-        lo, hi = 0, n  # fits(lo) holds (lo = 0 means nothing), fits(hi) fails
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid
-        if lo == 0:
-            req.deferred_steps += 1
-            if req.deferred_steps > self.config.max_deferred_steps:
-                return min(n, self.kv.block_size)
-        return lo
 
     def _cached_prefix(self, req: Request) -> list[int]:
         """Reusable blocks for a request being admitted; at least one token is left to compute

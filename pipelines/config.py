@@ -147,6 +147,12 @@ class DescriberConfig(Section):
     api_key: str = "EMPTY"
     model: str | None = None
     prompt: str = "Describe the people in this camera frame and what they are doing, briefly."
+    max_pixels: int | None = Field(
+        None,
+        ge=1,
+        description="frames are downscaled to at most this many pixels before sending (image "
+        "tokens scale with pixels); None sends them as queued",
+    )
     max_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0.0)
     timeout_s: float = Field(60.0, gt=0)

@@ -37,7 +37,7 @@ from pipelines.backoff import Backoff
 from pipelines.config import PipelineConfig
 from pipelines.logs import kv
 from pipelines.queue import COMMIT_LUA
-from pipelines.vlm import EndpointUnavailable, FrameRejected, VLMClient, build_prompt
+from pipelines.vlm import EndpointUnavailable, FrameRejected, VLMClient, build_prompt, fit_frame
 
 log = logging.getLogger(__name__)
 
@@ -337,7 +337,12 @@ class Describer:
         if jpeg is None:  # its TTL ran out before a worker got to it
             await self._finish(entry_id, fields, "expired", "image_gone")
             return
-        prompt = build_prompt(self.config.prompt_for(camera), fields)
+        prompt_fields = fields
+        if self.d.max_pixels:  # off the event loop: decoding and resizing take milliseconds
+            jpeg, prompt_fields = await asyncio.to_thread(
+                fit_frame, jpeg, fields, self.d.max_pixels, self.q.jpeg_quality
+            )
+        prompt = build_prompt(self.config.prompt_for(camera), prompt_fields)
         backoff = Backoff(self.d.backoff_initial_s, self.d.backoff_max_s)
         while True:
             try:

@@ -17,9 +17,12 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import json
+import math
 import time
 from typing import Any
 
+import cv2
+import numpy as np
 import openai
 
 from pipelines import metrics
@@ -56,6 +59,54 @@ def build_prompt(base: str, fields: dict[str, str]) -> str:
     else:
         detections = "no detections"
     return f"{base}\nCamera: {fields.get('camera', '?')}. Captured: {when}. Detector: {detections}."
+
+
+def fit_size(width: int, height: int, max_pixels: int) -> tuple[int, int]:
+    """The largest size with ``w * h <= max_pixels`` and (up to rounding) the same aspect ratio."""
+    if width * height <= max_pixels:
+        return width, height
+    scale = math.sqrt(max_pixels / (width * height))
+    w, h = max(1, math.floor(width * scale)), max(1, math.floor(height * scale))
+    if w * h > max_pixels:  # a side held at 1 px, or float rounding: trim the longer side
+        if w >= h:
+            w = max(1, max_pixels // h)
+        else:
+            h = max(1, max_pixels // w)
+    return w, h
+
+
+def fit_frame(
+    jpeg: bytes, fields: dict[str, str], max_pixels: int, quality: int
+) -> tuple[bytes, dict[str, str]]:
+    """Downscale a frame to at most ``max_pixels`` pixels before it is sent.
+
+    Why on the client: image tokens (the bulk of a frame's prompt and cost) scale with pixels,
+    and doing it here works against any OpenAI-compatible endpoint, ours or not; it also
+    shrinks the upload. Returns the JPEG to send and ``fields`` with ``width``, ``height`` and
+    ``boxes`` in the sent image's coordinates, since the prompt lists the detections in them. A
+    frame that already fits, or that does not decode (the endpoint judges it), is sent as is.
+    """
+    image = cv2.imdecode(np.frombuffer(jpeg, np.uint8), cv2.IMREAD_COLOR)
+    if image is None:
+        return jpeg, fields
+    height, width = image.shape[:2]
+    w, h = fit_size(width, height, max_pixels)
+    if (w, h) == (width, height):
+        return jpeg, fields
+    small = cv2.resize(image, (w, h), interpolation=cv2.INTER_AREA)
+    ok, buf = cv2.imencode(".jpg", small, [cv2.IMWRITE_JPEG_QUALITY, quality])
+    if not ok:
+        return jpeg, fields
+    sx, sy = w / width, h / height
+    try:
+        boxes = json.loads(fields.get("boxes", "[]"))
+        for b in boxes:
+            x1, y1, x2, y2 = b["box"]
+            b["box"] = [round(x1 * sx, 1), round(y1 * sy, 1), round(x2 * sx, 1), round(y2 * sy, 1)]
+        scaled = json.dumps(boxes, separators=(",", ":"))
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        scaled = "[]"  # as build_prompt treats unreadable boxes
+    return buf.tobytes(), {**fields, "width": str(w), "height": str(h), "boxes": scaled}
 
 
 class VLMClient:

@@ -19,7 +19,9 @@ WORK=$(mktemp -d /tmp/vision-serve-demo.XXXX)
 if [ ! -f "$CKPT/config.json" ]; then
   vision-serve make-model --family qwen2_vl --preset "$PRESET" --out "$CKPT"
 fi
-ASSETS=$(python -c 'import ultralytics, pathlib; print(pathlib.Path(ultralytics.__file__).parent / "assets")')
+# find_spec, not import: the first `import ultralytics` on a machine prints its settings banner
+# to stdout, which would end up in $ASSETS
+ASSETS=$(python -c 'import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec("ultralytics").origin).parent / "assets")')
 
 echo "== 1. the engine from the terminal: one photo, one question =="
 vision-serve chat --model "$CKPT" --image "$ASSETS/bus.jpg" \

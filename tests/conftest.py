@@ -9,6 +9,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("YOLO_OFFLINE", "1")
 os.environ.setdefault("YOLO_AUTOINSTALL", "False")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if "VISION_SERVE_CACHE_DIR" not in os.environ:
+    # start-up calibrations of this run, not the user's: every session measures afresh once
+    import tempfile
+
+    os.environ["VISION_SERVE_CACHE_DIR"] = tempfile.mkdtemp(prefix="vision-serve-test-cache-")
 
 from pathlib import Path
 

@@ -1,7 +1,8 @@
 """Request and response bodies, field for field as OpenAI's API reference spells them.
 
 Requests accept OpenAI's fields plus the extra-body fields vLLM accepts (``top_k``,
-``min_tokens``, ``ignore_eos``) and our scheduling fields (``priority``, ``max_queue_seconds``).
+``min_tokens``, ``ignore_eos``, ``mm_processor_kwargs``) and our scheduling fields
+(``priority``, ``max_queue_seconds``).
 Fields that would change the answer and that we do not implement (tools, logprobs, penalties)
 are refused with a 400 instead of being silently ignored; unknown fields are ignored, as
 OpenAI-compatible servers commonly do.
@@ -18,6 +19,7 @@ from vision_serve.errors import bad_request
 
 Priority = Literal["interactive", "batch"]
 FinishReason = Literal["stop", "length"]
+MAX_STOP_SEQUENCES = 4  # OpenAI's limit; the length of each is checked by SamplingParams
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,6 +65,19 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class MMProcessorKwargs(BaseModel):
+    """vLLM's per-request ``mm_processor_kwargs``: this request's image size bounds (pixels).
+
+    Unknown keys are a 400 here, unlike unknown top-level fields: a misspelt key would be
+    silently ignored and the client would pay for the image tokens it meant to save.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_pixels: int | None = Field(default=None, gt=0, strict=True)
+    max_pixels: int | None = Field(default=None, gt=0, strict=True)
+
+
 class SamplingFields(BaseModel):
     """Fields shared by chat and text completions."""
 
@@ -88,6 +103,8 @@ class SamplingFields(BaseModel):
     # scheduling (handed to the engine's policy)
     priority: Priority = "interactive"
     max_queue_seconds: float | None = Field(default=None, gt=0)
+    # vLLM extra body: image size bounds for this request's images only
+    mm_processor_kwargs: MMProcessorKwargs | None = None
 
     def check_supported(self) -> None:
         """Refuse what we would otherwise get silently wrong."""
@@ -98,8 +115,8 @@ class SamplingFields(BaseModel):
             raise bad_request(f"{param} is not supported", param=param, code="unsupported_value")
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", param="logit_bias")
-        if isinstance(self.stop, list) and len(self.stop) > 16:
-            raise bad_request("at most 16 stop sequences", param="stop")
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_SEQUENCES:
+            raise bad_request(f"at most {MAX_STOP_SEQUENCES} stop sequences", param="stop")
 
     @property
     def include_usage(self) -> bool:

@@ -91,14 +91,16 @@ class OpenAIServing:
         req.check_supported()
         params = _sampling_params(req, req.output_limit)
         messages = await self._engine_messages(req.messages)
-        return await self._serve(req, raw, "chat", messages, params)
+        inputs = _engine_inputs("messages", messages, req)
+        return await self._serve(req, raw, "chat", inputs, params)
 
     async def completion(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         req.check_supported()
         params = _sampling_params(req, req.output_limit)
         prompt = req.prompt_text()
-        return await self._serve(req, raw, "completions", prompt, params)
+        inputs = _engine_inputs("prompt", prompt, req)
+        return await self._serve(req, raw, "completions", inputs, params)
 
     # -- shared --------------------------------------------------------------------------------
 
@@ -107,16 +109,19 @@ class OpenAIServing:
         req: SamplingFields,
         raw: Request,
         endpoint: str,
-        inputs: str | list[dict[str, Any]],
+        inputs: str | list[dict[str, Any]] | dict[str, Any],
         params: SamplingParams,
     ) -> Response:
         arrival = getattr(raw.state, "arrival_time", None) or time.monotonic()
-        request_id = raw.headers.get("x-request-id") or uuid.uuid4().hex
+        # The engine's id is always ours: a client's x-request-id need not be unique (retries,
+        # proxies), and two requests sharing an engine id would share one output stream.
+        request_id = uuid.uuid4().hex
         record = RequestRecord(
             id=request_id,
             endpoint=endpoint,
             priority=req.priority,
             stream=req.stream,
+            client_request_id=raw.headers.get("x-request-id") or None,
             user=req.user,
         )
         try:
@@ -132,7 +137,7 @@ class OpenAIServing:
             if err.status == 500:
                 logger.exception("engine.add_request failed for %s", request_id)
             self._finish(record, arrival, status=err.status, error_code=err.code or err.type)
-            err.headers.setdefault("x-request-id", request_id)
+            err.headers.setdefault("x-request-id", record.header_id)
             raise err from None
 
         response_id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + request_id
@@ -141,7 +146,7 @@ class OpenAIServing:
             return StreamingResponse(
                 body,
                 media_type="text/event-stream",
-                headers={"cache-control": "no-cache", "x-request-id": request_id},
+                headers={"cache-control": "no-cache", "x-request-id": record.header_id},
             )
         return await self._complete(stream, raw, endpoint, response_id, record, arrival)
 
@@ -169,7 +174,7 @@ class OpenAIServing:
             if err.code != "expired":
                 await self._abort(request_id)
             self._finish(record, arrival, status=err.status, error_code=err.code)
-            err.headers.setdefault("x-request-id", request_id)
+            err.headers.setdefault("x-request-id", record.header_id)
             raise err from None
         self._finish(record, arrival)
         usage = _usage(final)
@@ -191,7 +196,7 @@ class OpenAIServing:
                 choices=[CompletionChoice(text=text, finish_reason=reason)],
                 usage=usage,
             )
-        return JSONResponse(body.model_dump(), headers={"x-request-id": request_id})
+        return JSONResponse(body.model_dump(), headers={"x-request-id": record.header_id})
 
     async def _drive(
         self, stream: AsyncIterator[Any], record: RequestRecord, arrival: float
@@ -407,6 +412,16 @@ def _usage(out: Any) -> Usage:
         total_tokens=prompt + completion,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens),
     )
+
+
+def _engine_inputs(key: str, value: Any, req: SamplingFields) -> Any:
+    """The engine's input for a request: the bare prompt/messages, or with
+    ``mm_processor_kwargs`` a vLLM-style dict, so the bounds reach the engine's image
+    preprocessing (which runs off the step loop) and apply to this request's images only."""
+    if req.mm_processor_kwargs is None:
+        return value
+    kwargs = req.mm_processor_kwargs.model_dump(exclude_none=True)
+    return {key: value, "mm_processor_kwargs": kwargs}
 
 
 def _sampling_params(req: SamplingFields, max_tokens: int | None) -> SamplingParams:

@@ -17,7 +17,10 @@ import functools
 import hashlib
 import logging
 import os
+import subprocess
+import sysconfig
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 
@@ -86,3 +89,57 @@ def load_cpu_decode() -> ModuleType | None:
         "native" if native_bf16 else "emulated",
     )
     return module
+
+
+VARIANTS = {"native-bf16": ["-mavx512bf16"], "emulated-bf16": []}
+
+
+def variants_not_loaded() -> list[str]:
+    """Kernel variants this machine does not build at start (all of them without AVX-512)."""
+    if not cpu_supports_avx512():
+        return list(VARIANTS)
+    return ["emulated-bf16" if cpu_supports_avx512_bf16() else "native-bf16"]
+
+
+def compile_check(
+    compiler: str = "g++", variants: list[str] | None = None
+) -> dict[str, str | None]:
+    """Compile every variant's sources to object code, without loading them.
+
+    A machine runs one variant at most (none without AVX-512), yet CI on any machine must show
+    that all of them build: the compiler targets the instruction set named by the flags, not
+    the CPU it runs on. Returns variant/source -> None when it compiled, else the error.
+    """
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [f"-I{p}" for p in include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    jobs = {
+        f"{variant}/{src.name}": [
+            compiler,
+            "-std=c++20",
+            "-fPIC",
+            "-O0",
+            *_FLAGS,
+            *extra,
+            *includes,
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            "-DTORCH_EXTENSION_NAME=compile_check",
+            "-DTORCH_API_INCLUDE_EXTENSION_H",
+            "-c",
+            str(src),
+            "-o",
+            os.devnull,
+        ]
+        for variant, extra in VARIANTS.items()
+        if variants is None or variant in variants
+        for src in _SOURCES
+    }
+
+    def run(cmd: list[str]) -> str | None:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        return None if proc.returncode == 0 else proc.stderr[-4000:]
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        results = dict(zip(jobs, pool.map(run, jobs.values()), strict=True))
+    return results

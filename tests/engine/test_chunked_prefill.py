@@ -23,7 +23,9 @@ def _run(checkpoint, **engine_args):
 
 
 def test_chunked_budgets_match_unchunked(tiny_checkpoint):
-    reference, llm = _run(tiny_checkpoint, enable_chunked_prefill=False)
+    reference, llm = _run(
+        tiny_checkpoint, enable_chunked_prefill=False, max_num_batched_tokens=8192
+    )
     # the image's placeholders start mid-prompt: budget 8 must cut through them
     first_image = llm.engine.process_inputs({"messages": CONVERSATIONS[0]}).images[0]
     assert first_image.offset % 8 != 0 or first_image.num_tokens > 8
@@ -31,6 +33,8 @@ def test_chunked_budgets_match_unchunked(tiny_checkpoint):
         tokens, chunked = _run(tiny_checkpoint, max_num_batched_tokens=budget)
         assert tokens == reference, f"budget {budget}"
         assert chunked.engine.stats.num_steps > llm.engine.stats.num_steps
+    tokens, _ = _run(tiny_checkpoint)  # the default: steps sized by predicted time
+    assert tokens == reference, "time-sized steps"
 
 
 def test_chunks_respect_the_budget_and_decodes_come_first(tiny_qwen2_vl):

@@ -262,19 +262,6 @@ def test_fused_decode_is_as_close_to_fp32_as_eager_bf16(tiny_qwen2_vl) -> None:
     assert err_fused <= 1.5 * err_eager + 1e-3
 
 
-def test_disabled_kernel_falls_back(tiny_qwen2_vl) -> None:
-    llm = LLM(model=str(tiny_qwen2_vl), dtype="bfloat16", cpu_kernels=False)
-    assert llm.engine.runner.fused_decoder is None
-    out = llm.chat(text_conv("hi"), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    assert len(out[0].outputs[0].token_ids) == 4
-    assert llm.engine.runner.fused_decode_steps == 0
-
-
-def test_fp32_never_uses_the_kernel(tiny_qwen2_vl) -> None:
-    llm = LLM(model=str(tiny_qwen2_vl), dtype="float32")
-    assert llm.engine.runner.fused_decoder is None
-
-
 def _capture_sampled_logits(llm: LLM) -> list[torch.Tensor]:
     runner = llm.engine.runner
     logs: list[torch.Tensor] = []

@@ -38,7 +38,7 @@ def test_decode_steps_carry_no_more_encoder_work_than_the_budget(tiny_qwen2_vl):
     while not sched_.requests["chat"].output_token_ids:
         eng.step()
     eng.add_request("cam", _frame(), GREEDY, priority="batch")
-    tokens_per_unit = sched_._tokens_per_encoder_unit()
+    tokens_per_unit = sched_.new_budget().tokens_per_encoder_unit()
     steps_with_encoder_work = 0
     while ("cam" in sched_.requests and sched_.requests["cam"].num_computed_tokens == 0) or (
         "cam" in sched_.requests and not sched_.requests["cam"].output_token_ids

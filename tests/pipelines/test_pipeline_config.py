@@ -90,3 +90,17 @@ def test_unreadable_or_malformed_files_are_config_errors(tmp_path: Path) -> None
     bad.write_text("cameras: [\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+def test_describer_max_pixels_defaults_to_none_and_is_validated(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert parse_config({}).describer.max_pixels is None  # frames are sent as queued
+    config = parse_config({"describer": {"max_pixels": 200704}})
+    assert config.describer.max_pixels == 200704
+    for bad in (0, -5, "many"):
+        with pytest.raises(ConfigError) as err:
+            parse_config({"describer": {"max_pixels": bad}}, "cameras.yaml")
+        assert "  describer.max_pixels:" in str(err.value)
+    monkeypatch.setenv("VS_DESCRIBER__MAX_PIXELS", "50176")
+    assert parse_config({}).describer.max_pixels == 50176

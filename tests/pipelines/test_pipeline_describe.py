@@ -6,12 +6,16 @@ path against our real server is in ``test_pipeline_e2e.py``.
 
 from __future__ import annotations
 
+import base64
+import json
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import cv2
+import numpy as np
 import pytest
 from pipeline_helpers import (
     REPO,
@@ -27,6 +31,7 @@ from pipeline_helpers import (
 
 from pipelines import metrics
 from pipelines.queue import COMMIT_LUA, read_stats
+from pipelines.vlm import fit_frame, fit_size
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -53,6 +58,66 @@ def test_frames_are_described_acknowledged_and_stored(redis_server, vlm_double, 
     assert content[0]["image_url"]["url"].startswith("data:image/jpeg;base64,")
     assert "Camera: door" in content[1]["text"] and "person 0.90" in content[1]["text"]
     assert request["priority"] == "batch" and request["model"] == "tiny"
+
+
+@pytest.mark.parametrize(
+    ("size", "max_pixels"),
+    [((640, 480), 200704), ((1920, 1080), 50176), ((480, 640), 12544), ((333, 77), 5000)],
+)
+def test_fit_size_stays_under_max_pixels_and_keeps_the_aspect_ratio(size, max_pixels) -> None:
+    width, height = size
+    w, h = fit_size(width, height, max_pixels)
+    assert w * h <= max_pixels
+    assert (w + 1) * (h + 1) > max_pixels, "as large as the budget allows (up to 1 px per side)"
+    assert abs(w / h - width / height) <= width / height * 0.02
+
+
+def test_fit_size_edge_cases() -> None:
+    assert fit_size(640, 480, 640 * 480) == (640, 480)  # fits: untouched
+    assert fit_size(10000, 1, 100) == (100, 1)  # a side cannot go below 1 px
+    assert fit_size(1, 10000, 100) == (1, 100)
+
+
+def _jpeg(width: int, height: int) -> bytes:
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 255, (height, width, 3), dtype=np.uint8)
+    return cv2.imencode(".jpg", image)[1].tobytes()
+
+
+def test_fit_frame_downscales_the_jpeg_and_the_prompt_fields() -> None:
+    boxes = json.dumps([{"label": "person", "conf": 0.9, "box": [64.0, 48.0, 320.0, 480.0]}])
+    fields = {"camera": "door", "width": "640", "height": "480", "boxes": boxes}
+    jpeg, out = fit_frame(_jpeg(640, 480), fields, 160 * 120, quality=85)
+    image = cv2.imdecode(np.frombuffer(jpeg, np.uint8), cv2.IMREAD_COLOR)
+    assert image.shape[:2] == (120, 160)  # 1/4 per side, exactly 160x120 pixels
+    assert (out["width"], out["height"], out["camera"]) == ("160", "120", "door")
+    assert json.loads(out["boxes"])[0]["box"] == [16.0, 12.0, 80.0, 120.0]
+    assert fields["width"] == "640", "the stored frame's fields are not changed"
+    # a frame that fits, or one that does not decode, goes out as it came
+    small = _jpeg(64, 48)
+    assert fit_frame(small, fields, 64 * 48, quality=85) == (small, fields)
+    assert fit_frame(b"not a jpeg", fields, 100, quality=85) == (b"not a jpeg", fields)
+
+
+def test_describer_sends_frames_downscaled_to_max_pixels(redis_server, vlm_double, make_config):
+    config = make_config(
+        redis_server.url, describer={"base_url": vlm_double.base_url, "max_pixels": 32 * 32}
+    )
+    enqueue_frames(redis_server.url, config.queue, 1, camera="door")  # 64x64, box 1..20 px
+    worker = DescriberThread(config, "w1").start()
+    client = redis_server.client()
+    try:
+        wait_until(lambda: len(descriptions(client, config.queue)) == 1, 15, what="described")
+    finally:
+        worker.stop()
+    content = vlm_double.requests[0]["messages"][0]["content"]
+    jpeg = base64.b64decode(content[0]["image_url"]["url"].split(",", 1)[1])
+    image = cv2.imdecode(np.frombuffer(jpeg, np.uint8), cv2.IMREAD_COLOR)
+    assert image.shape[:2] == (32, 32)
+    assert "in a 32x32 image" in content[1]["text"]  # detections in the sent image's pixels
+    # what is stored keeps the queued frame's coordinates (its JPEG is the full-size one)
+    stored = descriptions(client, config.queue)[0]
+    assert json.loads(stored["boxes"])[0]["box"] == [1.0, 1.0, 20.0, 20.0]
 
 
 def test_frames_older_than_max_age_are_expired_without_a_request(

@@ -1,0 +1,194 @@
+"""Interactive first, camera work in what chat leaves: three figures from one server.
+
+1. **Chat TTFT with frames in flight**: ``--chat-requests`` short interactive requests, one
+   after another, alone and then while ``--frames`` camera frames (``priority: batch``) are in
+   flight; the median TTFT ratio (target <= 1.5x).
+2. **Frames alone**: the same number of fresh frames at once, nothing else: frames per minute.
+3. **Frames under chat load**: ``--num-chat`` continuous chat streams plus those frames. The
+   ideal share is frames/min alone x the share of step time chat leaves, taken as
+   ``1 - chat ITL p50 alone / chat ITL p50 under load`` (a chat step that stretches from d to
+   T leaves T - d to camera work); reported as measured / ideal (target >= 90 %).
+
+    python -m benchmarks.interactive_first [--mode default] [--dtype auto]
+
+Modes are ``benchmarks.serve_mixed``'s (``default`` = the server's own flags).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+
+from benchmarks.common import bench_checkpoint, log, save_json, setup_env
+from benchmarks.serve_mixed import (
+    CHAT_PROMPTS,
+    RequestRecord,
+    frame_data_url,
+    free_port,
+    one_request,
+    running_server,
+    server_command,
+)
+
+
+def _frame_messages(url: str, j: int) -> list[dict]:
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": f"Camera {j}: who is in view?"},
+            ],
+        }
+    ]
+
+
+class Driver:
+    def __init__(self, base_url: str, args) -> None:
+        from openai import AsyncOpenAI
+
+        self.client = AsyncOpenAI(base_url=base_url, api_key="bench", timeout=900, max_retries=0)
+        self.args = args
+        self.t0 = time.monotonic()
+        self.seed = 0
+
+    def frames(self, n: int) -> list[str]:
+        w, h = (int(x) for x in self.args.image_size.split("x"))
+        self.seed += 1  # fresh frames each phase: no prefix or encoder cache hits
+        return [frame_data_url(w, h, seed=self.seed * 1000 + k) for k in range(n)]
+
+    async def request(self, kind: str, messages, max_tokens: int, extra: dict) -> RequestRecord:
+        rec = RequestRecord(kind, 0, time.monotonic() - self.t0)
+        await one_request(self.client, "bench", messages, max_tokens, extra, rec, self.t0)
+        if rec.error:
+            raise RuntimeError(rec.error)
+        return rec
+
+    async def chat(self, i: int, max_tokens: int) -> RequestRecord:
+        msgs = [{"role": "user", "content": CHAT_PROMPTS[i % len(CHAT_PROMPTS)]}]
+        return await self.request("chat", msgs, max_tokens, {"ignore_eos": True})
+
+    def camera_tasks(self, n: int) -> list[asyncio.Task]:
+        extra = {"priority": "batch", "ignore_eos": True}
+        return [
+            asyncio.create_task(
+                self.request("camera", _frame_messages(url, j), self.args.camera_tokens, extra)
+            )
+            for j, url in enumerate(self.frames(n))
+        ]
+
+
+async def ttft_phase(d: Driver, with_frames: bool) -> dict:
+    args = d.args
+    frames = d.camera_tasks(args.frames) if with_frames else []
+    if frames:
+        await asyncio.sleep(args.frames_head_start_s)
+    ttfts, in_flight = [], []
+    for i in range(args.chat_requests):
+        in_flight.append(sum(not t.done() for t in frames))
+        ttfts.append((await d.chat(i, args.chat_tokens)).ttft)
+        await asyncio.sleep(args.chat_gap_s)
+    await asyncio.gather(*frames)
+    return {"ttft_s": ttfts, "ttft_p50_s": statistics.median(ttfts), "frames_in_flight": in_flight}
+
+
+async def frames_phase(d: Driver, num_chat: int) -> dict:
+    args = d.args
+    stop = asyncio.Event()
+    chats: list[RequestRecord] = []
+
+    async def stream(i: int) -> None:
+        while not stop.is_set():
+            chats.append(await d.chat(i, args.chat_stream_tokens))
+
+    streams = [asyncio.create_task(stream(i)) for i in range(num_chat)]
+    if streams:
+        await asyncio.sleep(args.warmup_s)
+    t = time.monotonic()
+    await asyncio.gather(*d.camera_tasks(args.frames))
+    seconds = time.monotonic() - t
+    stop.set()
+    await asyncio.gather(*streams)
+    itls = [g for r in chats for g in r.itls]
+    return {
+        "frames": args.frames,
+        "seconds": seconds,
+        "frames_per_min": 60 * args.frames / seconds,
+        "chat_itl_p50_s": statistics.median(itls) if itls else None,
+    }
+
+
+async def run(base_url: str, args) -> dict:
+    d = Driver(base_url, args)
+    await d.chat(0, 4)  # warm-up
+    out = {
+        "ttft_alone": await ttft_phase(d, with_frames=False),
+        "ttft_with_frames": await ttft_phase(d, with_frames=True),
+        "frames_alone": await frames_phase(d, num_chat=0),
+        "chat_alone": await frames_phase_chat_only(d),
+        "frames_under_chat": await frames_phase(d, num_chat=args.num_chat),
+    }
+    await d.client.close()
+    return out
+
+
+async def frames_phase_chat_only(d: Driver) -> dict:
+    """Chat streams alone for a while: their ITL without camera work."""
+    args = d.args
+    recs = await asyncio.gather(*(d.chat(i, args.chat_stream_tokens) for i in range(args.num_chat)))
+    itls = [g for r in recs for g in r.itls]
+    return {"chat_itl_p50_s": statistics.median(itls)}
+
+
+def main() -> None:
+    setup_env()
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model")
+    ap.add_argument("--family", default="qwen2_vl")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--mode", default="default")
+    ap.add_argument("--adaptive-max-budget", type=int, default=2048)
+    ap.add_argument("--frames", type=int, default=4)
+    ap.add_argument("--frames-head-start-s", type=float, default=1.0)
+    ap.add_argument("--chat-requests", type=int, default=5)
+    ap.add_argument("--chat-tokens", type=int, default=8)
+    ap.add_argument("--chat-gap-s", type=float, default=0.5)
+    ap.add_argument("--num-chat", type=int, default=4)
+    ap.add_argument("--chat-stream-tokens", type=int, default=96)
+    ap.add_argument("--camera-tokens", type=int, default=16)
+    ap.add_argument("--image-size", default="640x480")
+    ap.add_argument("--warmup-s", type=float, default=2.0)
+    ap.add_argument("--out", default="interactive_first.json")
+    args = ap.parse_args()
+
+    model = bench_checkpoint(args.family, args.model)
+    port = free_port()
+    cmd, _ = server_command(args.mode, model, port, args)
+    with running_server(cmd, port):
+        res = asyncio.run(run(f"http://127.0.0.1:{port}/v1", args))
+    alone, loaded = res["ttft_alone"]["ttft_p50_s"], res["ttft_with_frames"]["ttft_p50_s"]
+    res["ttft_ratio"] = loaded / alone
+    chat_alone = res["chat_alone"]["chat_itl_p50_s"]
+    chat_loaded = res["frames_under_chat"]["chat_itl_p50_s"]
+    share_left = max(0.0, 1 - chat_alone / chat_loaded) if chat_loaded else 0.0
+    ideal = res["frames_alone"]["frames_per_min"] * share_left
+    res["camera_share_left"] = share_left
+    res["ideal_frames_per_min_under_chat"] = ideal
+    res["camera_efficiency"] = res["frames_under_chat"]["frames_per_min"] / ideal if ideal else None
+    res["args"] = vars(args)
+    log(
+        f"{args.mode}: chat TTFT p50 alone {alone * 1e3:.0f} ms, with {args.frames} frames in "
+        f"flight {loaded * 1e3:.0f} ms ({res['ttft_ratio']:.2f}x); frames/min alone "
+        f"{res['frames_alone']['frames_per_min']:.2f}, under {args.num_chat} chat streams "
+        f"{res['frames_under_chat']['frames_per_min']:.2f} (ideal {ideal:.2f}, share left "
+        f"{share_left:.2f}, efficiency "
+        f"{(res['camera_efficiency'] or 0) * 100:.0f} %)"
+    )
+    save_json(args.out, res)
+
+
+if __name__ == "__main__":
+    main()

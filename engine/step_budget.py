@@ -1,0 +1,188 @@
+"""What one step may carry: tokens, and seconds by the cost model's prediction.
+
+A step is sized two ways at once:
+
+* **tokens** — a hard cap (``--max-num-batched-tokens``, or a memory-safe cap when steps are
+  sized by time), shared by decodes, prompt chunks and encoder work (in token equivalents);
+* **seconds** — a limit on the step's *predicted* duration (:class:`StepCostModel`):
+  ``target_itl_s`` while interactive requests are active (decoding, prefilling or waiting), so
+  chat streams keep their inter-token latency, and ``max_step_s`` always, so an interactive
+  request that arrives while only camera work runs waits at most one short step.
+
+``StepLimits`` is the policy, resolved once at engine start; :class:`StepBudget` is one step's
+account, with a few verbs the scheduler calls in its own order (decodes, then prompt chunks
+best class first): :meth:`add_decode`, :meth:`fit_chunk` / :meth:`add_chunk`,
+:meth:`encoder_allowance` / :meth:`add_encoder`, and :meth:`restrict_to_itl` before the first
+batch prefill while interactive work is active.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from engine.cost_model import StepCostModel, StepFeatures, chunk_attention_units
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class StepLimits:
+    """How steps are sized (resolved from EngineArgs, see ``EngineArgs.step_limits``).
+
+    ``target_itl_s`` / ``max_step_s``: seconds, ``"auto"`` (priced from the predicted eager
+    decode step of the moment) or None (no such limit).
+    """
+
+    max_tokens: int
+    target_itl_s: float | str | None = None
+    max_step_s: float | str | None = None
+    auto_itl_factor: float = 1.25
+    auto_step_factor: float = 4.0
+    # floor of an "auto" step bound: below it per-step overhead dominates even on a GPU
+    min_auto_step_s: float = 0.05
+
+    @property
+    def time_sized(self) -> bool:
+        return self.target_itl_s is not None or self.max_step_s is not None
+
+
+class StepBudget:
+    """One step's account of tokens and predicted seconds."""
+
+    def __init__(
+        self,
+        limits: StepLimits,
+        cost_model: StepCostModel,
+        fused_decode_rows: int = 0,
+        block_size: int = 16,
+        encoder_unit_tokens: float = 0.01,
+    ) -> None:
+        self.limits = limits
+        self.cost_model = cost_model
+        self.block_size = block_size
+        self.encoder_unit_tokens = encoder_unit_tokens
+        self.tokens_left = limits.max_tokens
+        self.features = StepFeatures(fused_decode_rows=fused_decode_rows)
+        self.limit_s: float | None = None  # set by open_prefill
+        self.itl_target_s: float | None = None
+
+    # ---- decodes ------------------------------------------------------------------------------
+    def add_decode(self, context_len: int) -> bool:
+        """One decode token at ``context_len`` (its position + 1); False when out of tokens."""
+        if self.tokens_left < 1:
+            return False
+        self.tokens_left -= 1
+        self.features.decode_tokens += 1
+        self.features.attention_units += context_len
+        return True
+
+    # ---- the time limit -----------------------------------------------------------------------
+    def open_prefill(self, interactive_decoding: bool) -> None:
+        """Fix the time limit for prompt work once the decodes are in: the ITL target while
+        interactive streams decode, else the step bound. Limits need a fitted cost model."""
+        if not self.cost_model.ready:
+            return
+        self.itl_target_s = self._resolve(
+            self.limits.target_itl_s, self.limits.auto_itl_factor, floor=0.0
+        )
+        bound = self.step_bound_s()
+        limits = [s for s in (bound, self.itl_target_s if interactive_decoding else None) if s]
+        self.limit_s = min(limits) if limits else None
+
+    def step_bound_s(self) -> float | None:
+        """The bound on any step's predicted time, "auto" resolved against this step."""
+        return self._resolve(
+            self.limits.max_step_s, self.limits.auto_step_factor, self.limits.min_auto_step_s
+        )
+
+    def restrict_to_itl(self) -> None:
+        """Batch work in a step while interactive work is active gets the ITL target at most:
+        the interactive request's next token is in this step or the next."""
+        if self.itl_target_s is not None:
+            self.limit_s = (
+                self.itl_target_s if self.limit_s is None else min(self.limit_s, self.itl_target_s)
+            )
+
+    def _resolve(self, value: float | str | None, factor: float, floor: float) -> float | None:
+        if value is None:
+            return None
+        if value != AUTO:
+            return float(value)
+        # priced as an eager forward: any step that carries prefill runs eager, so a limit under
+        # that (the fused decode-only step's) would admit no prefill at all
+        decodes = self.features if self.features.decode_tokens else StepFeatures(decode_tokens=1)
+        eager = dataclasses.replace(
+            decodes, force_eager=True, fused_decode_rows=self.features.fused_decode_rows
+        )
+        return max(floor, factor * self.cost_model.predict(eager))
+
+    @property
+    def predicted_s(self) -> float:
+        return self.cost_model.predict(self.features)
+
+    def time_left(self) -> float:
+        if self.limit_s is None:
+            return math.inf
+        return max(0.0, self.limit_s - self.predicted_s)
+
+    # ---- prompt chunks ------------------------------------------------------------------------
+    def fit_chunk(self, start: int, n: int) -> int:
+        """Largest chunk (<= n) of a prompt at ``start`` that fits the tokens and the time
+        left; 0 when none does (the scheduler decides whether a starved request goes anyway)."""
+        n = min(n, max(0, self.tokens_left))
+        if n == 0 or self.limit_s is None:
+            return n
+        if self.cost_model.compute_bound_prefill_s() <= 0:
+            # the fit has not separated prefill cost yet: a prediction would call any chunk free
+            return min(n, self.block_size)
+
+        def fits(k: int) -> bool:
+            return self.cost_model.predict(self.features.plus(_chunk(start, k))) <= self.limit_s
+
+        if fits(n):
+            return n
+        lo, hi = 0, n  # fits(lo) holds (lo = 0: nothing), fits(hi) fails
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def add_chunk(self, start: int, n: int) -> None:
+        self.tokens_left -= n
+        self.features = self.features.plus(_chunk(start, n))
+
+    # ---- encoder work -------------------------------------------------------------------------
+    def tokens_per_encoder_unit(self) -> float:
+        """Budget tokens one encoder unit costs: by measured time once the cost model knows
+        both rates (vision attention is slower per FLOP than decoder matmuls), by FLOPs before."""
+        per_unit = self.cost_model.seconds_per("encoder_units")
+        per_token = self.cost_model.compute_bound_prefill_s()
+        if per_unit > 0 and per_token > 0:
+            return per_unit / per_token
+        return self.encoder_unit_tokens
+
+    def encoder_allowance(self, reserved_tokens: int = 0) -> float:
+        """Encoder units this step may still carry, ``reserved_tokens`` of text kept aside."""
+        units = max(0, self.tokens_left - reserved_tokens) / self.tokens_per_encoder_unit()
+        if self.limit_s is None:
+            return units
+        per_unit = self.cost_model.seconds_per("encoder_units")
+        if per_unit <= 0:  # not separated by the fit yet: price it by FLOPs, never as free
+            per_unit = self.cost_model.compute_bound_prefill_s() * self.encoder_unit_tokens
+        if per_unit <= 0:
+            return 0.0
+        return min(units, self.time_left() / per_unit)
+
+    def add_encoder(self, units: float) -> None:
+        """Account for encoder work that will run (finite units only)."""
+        self.features.encoder_units += units
+        self.tokens_left -= math.ceil(units * self.tokens_per_encoder_unit())
+
+
+def _chunk(start: int, n: int) -> StepFeatures:
+    return StepFeatures(prefill_tokens=n, attention_units=chunk_attention_units(start, n))

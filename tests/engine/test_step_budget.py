@@ -1,0 +1,160 @@
+"""Steps sized by predicted time by default: the step bound, interactive first, the ITL target.
+
+Timing is driven by a synthetic cost model (the scheduler's view of time); the real tiny model
+runs the steps, so outputs stay exact.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from engine import LLM, EngineArgs, SamplingParams
+from engine.config import TIME_SIZED_TOKEN_CAP
+from engine.cost_model import StepCostModel, StepFeatures
+from engine.step_budget import AUTO
+from tests.engine.helpers import image_conv, noise_image, text_conv
+
+# seconds: 4 ms a step, 0.5 ms a prompt token, 1 ms a decode, encoder work priced separately
+SYNTHETIC = {
+    "fixed": 0.004,
+    "prefill_tokens": 0.0005,
+    "decode_tokens": 0.001,
+    "attention_kunits": 0.0001,
+    "encoder_kunits": 0.0002,
+}
+FEW = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+
+def _engine(checkpoint, **kw):
+    llm = LLM(str(checkpoint), dtype="float32", **kw)
+    llm.engine.scheduler.cost_model = StepCostModel(coefficients=SYNTHETIC)
+    return llm, llm.engine
+
+
+def _run(eng, sched):
+    result = eng.runner.execute(sched)
+    eng.scheduler.update_from_output(sched, result.sampled, result.encoder_progress)
+
+
+def _frame(seed: int):
+    return image_conv("Describe everyone in view.", noise_image(224, 168, seed=seed))
+
+
+def test_defaults_size_steps_by_time_and_a_fixed_budget_keeps_the_token_budget():
+    limits = EngineArgs(model="m").step_limits()
+    assert (limits.target_itl_s, limits.max_step_s) == (AUTO, AUTO)
+    assert limits.max_tokens == TIME_SIZED_TOKEN_CAP and limits.time_sized
+
+    fixed = EngineArgs(model="m", max_num_batched_tokens=512).step_limits()
+    assert (fixed.max_tokens, fixed.target_itl_s, fixed.max_step_s) == (512, None, None)
+    assert not fixed.time_sized
+    asked = EngineArgs(model="m", max_num_batched_tokens=512, target_itl_ms="40").step_limits()
+    assert asked.target_itl_s == pytest.approx(0.040) and asked.max_step_s is None
+
+    only_itl = EngineArgs(model="m", max_step_ms="off").step_limits()
+    assert only_itl.max_step_s is None and only_itl.target_itl_s == AUTO
+    assert EngineArgs(model="m", max_step_ms="250").step_limits().max_step_s == 0.25
+    for bad in ("0", "-5", "soon", "inf"):
+        with pytest.raises(ValueError, match="max_step_ms"):
+            EngineArgs(model="m", max_step_ms=bad)
+
+
+def test_batch_only_steps_stay_under_the_step_bound(tiny_qwen2_vl):
+    _, eng = _engine(tiny_qwen2_vl, max_step_ms="30", enable_prefix_caching=False)
+    alone = LLM(str(tiny_qwen2_vl), dtype="float32", max_num_batched_tokens=4096)
+    expected = alone.chat(_frame(7), FEW)[0].outputs[0].token_ids
+    eng.add_request("cam", _frame(7), FEW, priority="batch")
+    eng.add_request("report", text_conv("words " * 200), FEW, priority="batch")
+    model = eng.scheduler.cost_model
+    steps, biggest_chunk, outputs = 0, 0, {}
+    while eng.has_unfinished():
+        sched = eng.scheduler.schedule()
+        assert sched.target_s == pytest.approx(0.030), "the step bound applies to batch work"
+        assert model.predict(sched.features) <= 0.030 + 1e-9
+        biggest_chunk = max(biggest_chunk, sched.num_prefill_tokens)
+        result = eng.runner.execute(sched)
+        _, finished = eng.scheduler.update_from_output(
+            sched, result.sampled, result.encoder_progress
+        )
+        outputs.update({r.request_id: r.output_token_ids for r in finished})
+        steps += 1
+    # 30 ms at 4 ms a step and 0.5 ms a token: ~50 tokens a step, not a block at a time
+    assert biggest_chunk >= 40
+    assert outputs["cam"] == expected, "sizing steps by time changes no token"
+
+
+def test_an_arriving_interactive_request_goes_first_and_waits_no_batch_work(tiny_qwen2_vl):
+    _, eng = _engine(tiny_qwen2_vl, enable_prefix_caching=False)
+    eng.add_request("cam", _frame(11), FEW, priority="batch")
+    eng.add_request("report", text_conv("words " * 200), FEW, priority="batch")
+    for _ in range(2):
+        _run(eng, eng.scheduler.schedule())
+    assert eng.scheduler.requests["report"].is_prefill, "batch prefill is mid-way"
+
+    eng.add_request("chat", text_conv("hi there"), FEW, priority="interactive")
+    sched = eng.scheduler.schedule()
+    prefills = [c.request_id for c in sched.chunks if not c.is_decode]
+    assert prefills == ["chat"], "the chat prompt alone: no batch prefill beside it"
+    assert not sched.encoder_work, "and no batch encoder work"
+    _run(eng, sched)
+
+    # while the chat stream decodes, batch work fills what the auto ITL target leaves
+    decode_only = eng.scheduler.cost_model.predict(StepFeatures(decode_tokens=1, attention_units=1))
+    for _ in range(2):
+        sched = eng.scheduler.schedule()
+        assert sched.chunks[0].request_id == "chat" and sched.chunks[0].is_decode
+        assert sched.target_s == pytest.approx(1.25 * decode_only, rel=0.05)
+        assert eng.scheduler.cost_model.predict(sched.features) <= sched.target_s + 1e-9
+        _run(eng, sched)
+
+
+def test_an_interactive_image_is_encoded_before_batch_images(tiny_qwen2_vl):
+    _, eng = _engine(tiny_qwen2_vl, enable_prefix_caching=False, encoder_rows_per_item=16)
+    # encoder work priced so that a frame takes several 50 ms steps to encode
+    eng.scheduler.cost_model = StepCostModel(coefficients={**SYNTHETIC, "encoder_kunits": 2.0})
+    eng.add_request("cam", _frame(21), FEW, priority="batch")
+    sched = eng.scheduler.schedule()
+    cam_hash = eng.scheduler.requests["cam"].prompt.images[0].content_hash
+    assert cam_hash in sched.encoder_work, "the camera frame starts encoding"
+    _run(eng, sched)
+    assert not eng.encoder_cache.ready(cam_hash), "and is still encoding"
+
+    eng.add_request("look", _frame(22), FEW, priority="interactive")
+    look_hash = eng.scheduler.requests["look"].prompt.images[0].content_hash
+    sched = eng.scheduler.schedule()
+    assert list(sched.encoder_work) == [look_hash], "the chat image's encoding, nothing else"
+
+
+def test_startup_log_states_the_step_policy(tiny_qwen2_vl, caplog):
+    with caplog.at_level(logging.INFO, logger="engine.calibration"):
+        LLM(str(tiny_qwen2_vl), dtype="float32")
+        LLM(str(tiny_qwen2_vl), dtype="float32", max_num_batched_tokens=256)
+    lines = [r.getMessage() for r in caplog.records if "step_policy" in r.getMessage()]
+    assert len(lines) == 2
+    assert "mode=time-sized" in lines[0] and "max_step=auto (" in lines[0]
+    assert "itl_target=auto (" in lines[0] and "ms/token" in lines[0]
+    assert "mode=fixed-tokens max_num_batched_tokens=256" in lines[1]
+
+
+def test_calibration_is_cached_per_machine_model_and_dtype(tiny_qwen2_vl, tmp_path, monkeypatch):
+    import engine.calibration as calibration
+
+    monkeypatch.setenv("VISION_SERVE_CACHE_DIR", str(tmp_path))
+    runs = []
+    real = calibration.calibrate
+    monkeypatch.setattr(calibration, "calibrate", lambda *a, **k: runs.append(1) or real(*a, **k))
+    first = LLM(str(tiny_qwen2_vl), dtype="float32").engine.scheduler.cost_model
+    assert len(runs) == 1 and first.ready
+    assert len(list((tmp_path / "calibration").glob("*.json"))) == 1
+    again = LLM(str(tiny_qwen2_vl), dtype="float32").engine.scheduler.cost_model
+    assert len(runs) == 1, "the second start reuses the calibration"
+    assert again.coefficients() == pytest.approx(first.coefficients())
+    LLM(str(tiny_qwen2_vl), dtype="bfloat16")
+    assert len(runs) == 2, "another dtype is another calibration"
+
+    for path in (tmp_path / "calibration").glob("*.json"):
+        path.write_text("{not json")
+    assert LLM(str(tiny_qwen2_vl), dtype="float32").engine.scheduler.cost_model.ready
+    assert len(runs) == 3, "a corrupt cache is measured again, not trusted"
