@@ -5,8 +5,9 @@ choose between — a handful of decodes plus a few prefill tokens, mostly — an
 learns only the shapes the scheduler already runs. So before serving, the engine runs a
 short series of synthetic steps through the real model runner (dummy token ids, real KV
 blocks, freed afterwards): prefill chunks of 8 to ``max_num_batched_tokens`` tokens, decodes
-of 1 to 16 requests, and decodes with small prefill chunks beside them. Each shape runs
-twice; the second, warm, time goes to the cost model. Online steps replace these samples
+of 1 to 16 requests, decodes with small prefill chunks beside them, and steps that advance a
+synthetic image's encoding, alone and beside decodes. Each shape runs three times; the two
+warm times go to the cost model. Online steps replace these samples
 bucket by bucket (see :class:`engine.cost_model.StepCostModel`), so the calibration is a
 starting point, not a constant.
 
@@ -52,7 +53,7 @@ MAX_CALIBRATION_STEP_S = 1.5  # prefill shapes stop growing past a step this lon
 # a synthetic image for the encoder shapes: 32x32 patches (a 448x448 picture's worth)
 ENCODER_GRID = (1, 32, 32)
 ENCODER_FRACTIONS = (1 / 32, 1 / 16, 1 / 8)  # of the image's work per step
-CACHE_VERSION = 1  # bump when what a calibration measures changes
+CACHE_VERSION = 2  # bump when what a calibration measures changes
 
 
 class _Calibrator:
@@ -162,8 +163,9 @@ class _Calibrator:
         self.observe(features, seconds)
 
     def shape(self, build) -> None:
-        """One shape twice: a cold run, then a warm one the cost model learns from."""
-        for observe in (False, True):
+        """One shape three times: a cold run, then two warm ones the cost model learns from
+        (one sample a shape let a single noisy step on a shared 2-core machine set a price)."""
+        for observe in (False, True, True):
             parts, fresh = build()
             for rid in fresh:  # prefill shapes restart from an empty sequence
                 self.release(rid)

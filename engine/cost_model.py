@@ -1,7 +1,7 @@
 """An online model of step time, learnt from the steps the engine actually ran.
 
-    step_s ≈ fixed + a·prefill_tokens + b·decode_tokens + Σ_k h_k·max(0, rows − k)
-             + c·attention_units + d·encoder_units
+    step_s ≈ fixed + l·lm_forward + a·prefill_tokens + b·decode_tokens
+             + Σ_k h_k·max(0, rows − k) + c·attention_units + d·encoder_units
 
 ``rows`` are all new tokens of the step (decode and prefill): the weights are read once per
 step whatever the row count, so up to the machine's ridge point (a few rows on a CPU, hundreds
@@ -10,6 +10,11 @@ prices every prefill token at the compute-bound rate it learns from big chunks, 
 ITL target grants a few tokens per step when a dozen ride along for free. The hinges at
 ``ROW_KNOTS`` let the fit learn that roofline shape (convex, since no coefficient may be
 negative) without knowing the machine.
+
+``lm_forward`` is 1 for a step that runs the language model at all: streaming its weights is
+a floor that every step with tokens pays (50-80 ms for ``bench`` in fp32 on a 2-core AVX2
+EPYC) and a step that only advances image encoding does not. Without it the fit spread that
+floor over the encoder's price (priced 5x too cheap there) and over every step.
 
 ``eager_forward`` is 1 for a step whose decoder forward runs the eager PyTorch path although
 the engine also has the fused decode kernel (engine/kernels): a step with any prefill, or more
@@ -41,6 +46,7 @@ FEATURES = (
     "attention_kunits",
     "encoder_kunits",
     "eager_forward",
+    "lm_forward",
 )
 
 
@@ -74,6 +80,7 @@ class StepFeatures:
                 self.attention_units / 1e3,
                 self.encoder_units / 1e3,
                 float(self.eager_forward),
+                float(rows > 0),
             ]
         )
 
@@ -148,8 +155,12 @@ class StepCostModel:
 
     def _fit(self) -> None:
         samples = [sample for bucket in self.buckets.values() for sample in bucket]
-        x = np.stack([v for v, _ in samples])
+        # relative error, not absolute: the scheduler cares about a 50 ms decode step as much
+        # as a 2 s prefill, and absolute least squares lets the long steps set every price
         y = np.array([t for _, t in samples])
+        weight = 1.0 / np.maximum(y, 1e-4)
+        x = np.stack([v for v, _ in samples]) * weight[:, None]
+        y = y * weight
         active = np.ones(x.shape[1], dtype=bool)
         coef = np.zeros(x.shape[1])
         # least squares, then drop features that came out negative and refit (a cheap NNLS):

@@ -34,6 +34,8 @@ from torch import Tensor, nn
 from transformers.activations import ACT2FN
 
 QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
+# a work item cut to fit a step keeps at least this many rows (smaller pieces are all overhead)
+MIN_SPLIT_ROWS = 16
 _SCORE_ROWS = 64  # query rows per score matrix in bf16 attention: [heads, 64, keys] stays cached
 
 
@@ -300,27 +302,59 @@ class VisionEncodeJob:
 
     def _plan(self) -> list[WorkItem]:
         tower, n = self.tower, self.num_rows
-        unit = tower.patch_block_flops
-        d = tower.dim
-        embed = 2 * self.pixels.shape[1] * d / unit
-        qkv = 2 * d * 3 * d / unit
-        rest = 1.0 - qkv  # proj + MLP per row
-        items = [WorkItem("embed", -1, s, e, (e - s) * embed) for s, e in self._ranges(n)]
+        items = [self._item("embed", -1, s, e) for s, e in self._ranges(n)]
         for b in range(tower.depth):
-            items += [WorkItem("qkv", b, s, e, (e - s) * qkv) for s, e in self._ranges(n)]
-            for s, e in self._ranges(n):
-                calls = tuple(attention_calls(self._segments(b), s, e))
-                pairs = sum((c.q1 - c.q0) * (c.k1 - c.k0) // c.batch for c in calls)
-                # q.k and p.v: 2 matmuls of 2 * head_dim FLOPs per query-key pair per head
-                cost = (e - s) * rest + 4 * pairs * d / unit
-                items.append(WorkItem("attn_mlp", b, s, e, cost, calls))
-        merger = sum(2 * lin.in_features * lin.out_features for lin in _linears(tower.hf.merger))
+            items += [self._item("qkv", b, s, e) for s, e in self._ranges(n)]
+            items += [self._item("attn_mlp", b, s, e) for s, e in self._ranges(n)]
         merge_rows = n // tower.merge_unit
         items += [
-            WorkItem("merge", -1, s, e, (e - s) * merger / unit)
-            for s, e in self._ranges(merge_rows, tower.merge_unit)
+            self._item("merge", -1, s, e) for s, e in self._ranges(merge_rows, tower.merge_unit)
         ]
         return items
+
+    def _item(self, kind: str, block: int, s: int, e: int) -> WorkItem:
+        """A work item over rows ``[s, e)`` priced in patch-block units."""
+        tower = self.tower
+        unit, d = tower.patch_block_flops, tower.dim
+        if kind == "embed":
+            return WorkItem(kind, block, s, e, (e - s) * 2 * self.pixels.shape[1] * d / unit)
+        qkv = 2 * d * 3 * d / unit
+        if kind == "qkv":
+            return WorkItem(kind, block, s, e, (e - s) * qkv)
+        if kind == "attn_mlp":
+            calls = tuple(attention_calls(self._segments(block), s, e))
+            pairs = sum((c.q1 - c.q0) * (c.k1 - c.k0) // c.batch for c in calls)
+            # proj + MLP per row, then q.k and p.v: 2 matmuls of 2 * head_dim FLOPs per
+            # query-key pair per head
+            cost = (e - s) * (1.0 - qkv) + 4 * pairs * d / unit
+            return WorkItem(kind, block, s, e, cost, calls)
+        merger = sum(2 * lin.in_features * lin.out_features for lin in _linears(tower.hf.merger))
+        return WorkItem(kind, block, s, e, (e - s) * merger / unit)
+
+    def _split_to_fit(self, max_cost: float) -> None:
+        """Cut the next item so that its first part costs at most ``max_cost`` (at least
+        ``MIN_SPLIT_ROWS`` rows): a step with little time left, beside chat decodes, still
+        advances the encode by what fits instead of a whole item that overruns it."""
+        item = self.items[self.cursor]
+        rows = item.end - item.start
+        if rows <= MIN_SPLIT_ROWS:
+            return
+        # the most rows whose piece fits (attention makes the price uneven across rows)
+        lo, hi = MIN_SPLIT_ROWS, rows  # the piece of lo rows runs anyway; hi rows do not fit
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self._item(item.kind, item.block, item.start, item.start + mid).cost <= max_cost:
+                lo = mid
+            else:
+                hi = mid
+        cut = item.start + lo
+        parts = [
+            self._item(item.kind, item.block, item.start, cut),
+            self._item(item.kind, item.block, cut, item.end),
+        ]
+        self.items[self.cursor : self.cursor + 1] = parts
+        self._suffix.insert(self.cursor + 1, self._suffix[self.cursor + 1] + parts[1].cost)
+        self._suffix[self.cursor] = self._suffix[self.cursor + 1] + parts[0].cost
 
     # ---- scheduling interface ----------------------------------------------------------------
     @property
@@ -340,11 +374,14 @@ class VisionEncodeJob:
 
     @torch.inference_mode()
     def advance(self, max_cost: float) -> float:
-        """Run items while they fit in ``max_cost``; the first always runs, so progress is sure.
+        """Run items while they fit in ``max_cost``; the first always runs, so progress is sure,
+        cut down to what fits (``MIN_SPLIT_ROWS`` rows at least) when it alone would not.
 
-        Returns the cost spent, which exceeds ``max_cost`` only when that first item alone does.
+        Returns the cost spent, which exceeds ``max_cost`` only by that minimal first piece.
         """
         spent = 0.0
+        if not self.done() and self.items[self.cursor].cost > max_cost:
+            self._split_to_fit(max_cost)
         while not self.done():
             item = self.items[self.cursor]
             if spent > 0 and spent + item.cost > max_cost:

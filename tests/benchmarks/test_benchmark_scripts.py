@@ -98,3 +98,18 @@ def test_chunking_overhead_script(tiny_qwen2_vl, results):
     assert data["results"]["chunked"]["text"]["steps"] == 3
     assert data["results"]["one-shot"]["text"]["steps"] == 1
     assert set(data["ratios"]) == {"text", "frame"}
+
+
+def test_interactive_first_script(tiny_qwen2_vl, results):
+    _run(
+        "benchmarks.interactive_first",
+        "--model", str(tiny_qwen2_vl), "--dtype", "float32", "--frames", "2",
+        "--chat-requests", "2", "--chat-tokens", "3", "--chat-gap-s", "0.05",
+        "--frames-head-start-s", "0", "--num-chat", "1", "--chat-stream-tokens", "4",
+        "--camera-tokens", "2", "--image-size", "112x112", "--warmup-s", "0", "--out", "i.json",
+        results=results,
+    )  # fmt: skip
+    data = json.loads((results / "i.json").read_text())
+    assert len(data["ttft_with_frames"]["ttft_s"]) == 2 and data["ttft_ratio"] > 0
+    assert data["frames_alone"]["frames_per_min"] > 0
+    assert data["frames_under_chat"]["frames_per_min"] > 0

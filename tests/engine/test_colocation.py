@@ -250,8 +250,16 @@ def test_cost_model_learns_a_linear_step_time():
             encoder_units=(i % 5) * 6400.0,
         )
         model.observe(f, truth.predict(f))
-    for name, value in SYNTHETIC.items():
-        assert model.coefficients()[name] == pytest.approx(value, rel=1e-3, abs=1e-7)
+    # every step here has 9+ rows, so per-token prices and the 8-row hinge are one line the
+    # fit may split either way: what must hold are the separable prices and the predictions
+    for name in ("fixed", "attention_kunits", "encoder_kunits"):
+        assert model.coefficients()[name] == pytest.approx(SYNTHETIC[name], rel=1e-3, abs=1e-7)
+    for probe in (
+        StepFeatures(prefill_tokens=100, decode_tokens=3, attention_units=5000),
+        StepFeatures(decode_tokens=12, attention_units=900, encoder_units=3000.0),
+        StepFeatures(encoder_units=6400.0),
+    ):
+        assert model.predict(probe) == pytest.approx(truth.predict(probe), rel=1e-3)
 
 
 def test_cost_model_learns_that_a_few_rows_ride_along_for_free():
@@ -336,11 +344,13 @@ def test_an_unfitted_cost_term_is_never_treated_as_free(tiny_qwen2_vl):
     eng.add_request("cam", _frame_conv(91), SamplingParams(max_tokens=1), priority="batch")
     sched = eng.scheduler.schedule()
     tokens_per_unit = eng.scheduler.config.encoder_unit_tokens
-    priced = StepCostModel(coefficients=SYNTHETIC)
+    assert sched.encoder_work, "the frame's encoding got some of the step"
     for units in sched.encoder_work.values():
         # priced by FLOPs: the encoder work alone fits in what the target leaves
-        assert units * tokens_per_unit * SYNTHETIC["prefill_tokens"] <= 0.010
-    assert priced.predict(sched.features) < 1.0
+        assert 0 < units * tokens_per_unit * SYNTHETIC["prefill_tokens"] <= 0.010
+    # and the step, priced with the real encoder rate, stays within the target's order
+    priced = StepCostModel(coefficients=SYNTHETIC)
+    assert priced.predict(sched.features) <= 2 * 0.010
 
     eng.scheduler.cost_model = StepCostModel(coefficients={**SYNTHETIC, "prefill_tokens": 0.0})
     eng.add_request(
