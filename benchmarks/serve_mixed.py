@@ -146,6 +146,7 @@ def server_command(mode: str, model: Path, port: int, args) -> tuple[list[str], 
 @contextmanager
 def running_server(cmd: list[str], port: int, timeout: float = 300.0):
     log(f"starting: {' '.join(cmd)}")
+    RESULTS.mkdir(parents=True, exist_ok=True)
     logf = open(RESULTS / f"server-{port}.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
     try:

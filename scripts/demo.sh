@@ -36,8 +36,9 @@ VLM_PORT=${VLM_PORT:-8011}
 redis-server --port "$REDIS_PORT" --dir "$WORK" --appendonly yes --appendfsync always \
   --save "" --daemonize no >"$WORK/redis.log" 2>&1 &
 pids+=($!)
+# default step policy: sized by predicted time (serve.log's step_policy line says how)
 vision-serve serve --model "$CKPT" --port "$VLM_PORT" --served-model-name demo \
-  --max-num-batched-tokens 512 >"$WORK/serve.log" 2>&1 &
+  >"$WORK/serve.log" 2>&1 &
 pids+=($!)
 # a camera: a looping video alternating frames with people (bus, zidane) and an empty street
 ffmpeg -loglevel error -y -f lavfi -i color=c=gray:s=640x480:d=1 -frames:v 1 "$WORK/empty.jpg"
