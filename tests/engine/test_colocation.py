@@ -10,7 +10,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.cost_model import StepCostModel, StepFeatures
-from tests.engine.helpers import image_conv, noise_image, text_conv
+from tests.engine.helpers import SYNTHETIC_COSTS, image_conv, noise_image, text_conv
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -173,13 +173,7 @@ def test_prefix_cache_hits_for_repeated_system_prompt_and_image(tiny_checkpoint)
     assert again.outputs[0].token_ids == ref
 
 
-SYNTHETIC = {
-    "fixed": 0.004,
-    "prefill_tokens": 0.0005,
-    "decode_tokens": 0.001,
-    "attention_kunits": 0.0001,
-    "encoder_kunits": 0.0002,
-}
+SYNTHETIC = SYNTHETIC_COSTS
 
 
 @pytest.mark.parametrize("target_ms", [10.0, 20.0])

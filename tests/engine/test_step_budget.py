@@ -14,16 +14,9 @@ from engine import LLM, EngineArgs, SamplingParams
 from engine.config import TIME_SIZED_TOKEN_CAP
 from engine.cost_model import StepCostModel, StepFeatures
 from engine.step_budget import AUTO
-from tests.engine.helpers import image_conv, noise_image, text_conv
+from tests.engine.helpers import SYNTHETIC_COSTS, image_conv, noise_image, text_conv
 
-# seconds: 4 ms a step, 0.5 ms a prompt token, 1 ms a decode, encoder work priced separately
-SYNTHETIC = {
-    "fixed": 0.004,
-    "prefill_tokens": 0.0005,
-    "decode_tokens": 0.001,
-    "attention_kunits": 0.0001,
-    "encoder_kunits": 0.0002,
-}
+SYNTHETIC = SYNTHETIC_COSTS
 FEW = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 
 

@@ -20,7 +20,13 @@ import openai
 import pytest
 
 from tests.reliability.faulty_serve import STEP_FAULT_MARKER
-from tests.server.support import ServerHandle, make_engine, start_server, wait_for
+from tests.server.support import (
+    ServerHandle,
+    make_engine,
+    start_server,
+    wait_for,
+    wait_until_healthy,
+)
 from vision_serve.settings import ServerSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -176,16 +182,7 @@ def test_serve_process_exits_non_zero_when_the_engine_loop_dies(checkpoint: Path
         )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log_path.read_text()
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.2)
+        wait_until_healthy(proc, base, log_path, timeout_s=120)
 
         with openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=30) as c:
             ok = c.chat.completions.create(model="tiny", messages=OK_MESSAGES, max_tokens=3)

@@ -6,9 +6,11 @@ import base64
 import io
 import json
 import os
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -164,3 +166,20 @@ def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.02) -> A
         if value or time.monotonic() > deadline:
             return value
         time.sleep(interval)
+
+
+def wait_until_healthy(
+    proc: subprocess.Popen, base_url: str, log_path: Path, timeout_s: float = 120.0
+) -> None:
+    """Poll a server subprocess's ``/health`` until 200; fail with its log if it exits or
+    the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, log_path.read_text()
+        try:
+            if httpx.get(base_url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, log_path.read_text()
+        time.sleep(0.2)

@@ -8,12 +8,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
 import pytest
 
+from tests.server.support import wait_until_healthy
 from vision_serve.cli import build_parser
 from vision_serve.server_cli import settings_from_namespace
 
@@ -101,16 +101,7 @@ def test_serve_command_runs_a_real_server_configured_from_the_environment(checkp
         )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, log_path.read_text()
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.2)
+        wait_until_healthy(proc, base, log_path, timeout_s=90)
 
         with openai.OpenAI(base_url=base + "/v1", api_key="cli-key", max_retries=0) as client:
             resp = client.chat.completions.create(
