@@ -1,14 +1,15 @@
-"""Stall-free (Sarathi-Serve) scheduling: one token budget per step, decodes first.
+"""Stall-free (Sarathi-Serve) scheduling: one budget per step, decodes first.
 
 There are no prefill and decode phases: every request has ``num_computed_tokens`` and a target
-(``num_tokens``), and each step tops requests up under ``max_num_batched_tokens``:
+(``num_tokens``), and each step tops requests up under one :class:`StepBudget` (tokens, and by
+default the step's predicted seconds; see ``engine/step_budget.py``):
 
 1. running decodes get one token each (interactive before batch);
 2. the rest of the budget goes to prompt chunks — of running requests whose prompt is part
    done, and of waiting requests — interactive before batch, first come first served within
-   a class. A chunk may end inside an image's placeholder range: the image is encoded once,
-   whole, in the step its first placeholder token is scheduled, and its embeddings are read
-   slice by slice.
+   a class; batch work beside active interactive work gets the ITL target at most. A chunk
+   may end inside an image's placeholder range; an image's encoding is advanced under the
+   same budget, and a chunk stops before an image whose embeddings are not ready.
 
 All policy lives here; the KV-cache and encoder-cache managers only keep accounts, and the
 model runner only executes the plain :class:`SchedulerOutput` it is given.
