@@ -107,6 +107,9 @@ class AsyncEngine:
         parsed_priority = Priority.parse(priority)
         loop = asyncio.get_running_loop()
         stream = RequestStream(self, request_id, loop)
+        # admission before work: a full queue refuses before any image is decoded (and again
+        # after, since others may have filled it meanwhile)
+        self._check_capacity()
         with self._lock:
             self._check_alive()
             if request_id in self._streams:
@@ -115,9 +118,7 @@ class AsyncEngine:
         try:
             prompt = await loop.run_in_executor(self._pool, self.engine.process_inputs, inputs)
             self.engine.validate(prompt, params)
-            if not self.has_capacity():
-                limit = self.args.max_queue_len
-                raise QueueFullError(f"waiting queue is full ({limit} requests)")
+            self._check_capacity()
             with self._lock:  # the loop may have died while we were preprocessing
                 self._check_alive()
                 self._post("add", (request_id, prompt, params, parsed_priority, deadline_s))
@@ -157,6 +158,10 @@ class AsyncEngine:
         (readiness: a load balancer should send work elsewhere while this is false)."""
         limit = self.args.max_queue_len
         return not limit or self._stats.num_waiting + self._inbox.qsize() < limit
+
+    def _check_capacity(self) -> None:
+        if not self.has_capacity():
+            raise QueueFullError(f"waiting queue is full ({self.args.max_queue_len} requests)")
 
     def add_death_callback(self, callback: Callable[[BaseException], None]) -> None:
         """Call ``callback(exc)`` (on the step thread) if the step loop dies, or now if it

@@ -49,7 +49,9 @@ class EngineArgs:
     encoder_rows_per_item: int | None = None
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU (None: torch default)
-    max_queue_len: int = 0  # 0: unbounded waiting queue
+    # waiting requests before new ones get 429 (0: unbounded); bounded by default so a burst
+    # cannot queue unbounded decoded images
+    max_queue_len: int = 256
     preprocess_workers: int = 2
     # image size bounds (pixels) every image is resized into; None: the checkpoint's processor's.
     # Image tokens scale with pixels, so this is the cheapest lever on a frame's cost.
@@ -139,7 +141,8 @@ HELP = {
     "stages; default 64 on CPUs with bf16 arithmetic, 256 on other CPUs, 0 on GPUs)",
     "seed": "global seed (per-request seeds come from SamplingParams)",
     "num_threads": "torch CPU threads (default: torch's choice)",
-    "max_queue_len": "waiting requests before new ones are refused (0: unbounded)",
+    "max_queue_len": "waiting requests before new ones are refused with 429 and Retry-After "
+    "(default 256; 0: unbounded)",
     "preprocess_workers": "threads decoding and preprocessing images off the step loop",
     "max_pixels": "most pixels an image is resized to (fewer image tokens; default: checkpoint's)",
     "min_pixels": "fewest pixels an image is resized to (default: the checkpoint's)",

@@ -14,7 +14,16 @@ import pytest
 from vision_serve.errors import EXPIRED_STATUS
 from vision_serve.settings import ServerSettings
 
-from .support import ServerHandle, make_engine, request_log, start_server, wait_for
+from .support import (
+    ServerHandle,
+    data_url,
+    image_message,
+    make_engine,
+    make_image,
+    request_log,
+    start_server,
+    wait_for,
+)
 
 MESSAGES = [{"role": "user", "content": "Hello there."}]
 
@@ -58,6 +67,21 @@ async def test_full_queue_is_429_queue_full(limited):
         assert exc.value.status_code == 429
         assert exc.value.code == "queue_full"
         assert exc.value.response.headers.get("retry-after")
+
+        # admission comes before work: a refused image request was never decoded
+        decoded = []
+        real = engine.engine.process_inputs
+        engine.engine.process_inputs = lambda inputs: decoded.append(1) or real(inputs)
+        try:
+            with pytest.raises(openai.RateLimitError):
+                await client.chat.completions.create(
+                    model=limited.model,
+                    messages=image_message("Who is there?", data_url(make_image())),
+                    max_tokens=2,
+                )
+        finally:
+            engine.engine.process_inputs = real
+        assert decoded == []
 
         await running.close()  # frees the only sequence slot: the waiting request runs
         resp = await asyncio.wait_for(waiting, timeout=30)
@@ -117,3 +141,9 @@ def test_stopped_engine_is_unhealthy_and_refuses_with_503(limited):
         client.chat.completions.create(model=limited.model, messages=MESSAGES, max_tokens=2)
     assert exc.value.status_code == 503
     assert exc.value.code == "engine_dead"
+
+
+def test_the_waiting_queue_is_bounded_by_default():
+    from engine import EngineArgs
+
+    assert 0 < EngineArgs(model="m").max_queue_len <= 1024
