@@ -156,6 +156,8 @@ class _Calibrator:
             features.attention_units += c.start + 1
         t0 = time.perf_counter()
         result = self.runner.execute(sched)
+        if self.runner.device.type == "cuda":  # no token sampled: nothing waited for the GPU
+            torch.cuda.synchronize(self.runner.device)
         seconds = time.perf_counter() - t0
         for rid, total in need.items():
             self.lengths[rid] = total
