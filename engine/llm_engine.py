@@ -29,6 +29,7 @@ from engine.model_runner import ModelRunner
 from engine.models import load_model
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.processing import InputProcessor
+from engine.prompt_guard import PromptLengthGuard
 from engine.request import Priority, ProcessedPrompt, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -63,6 +64,7 @@ class LLMEngine:
         text_cfg = self.hf_config.text_config
         max_pos = getattr(text_cfg, "max_position_embeddings", 32768)
         self.max_model_len = min(args.max_model_len or max_pos, max_pos)
+        self.processor.length_guard = PromptLengthGuard(self.tokenizer, self.max_model_len)
 
         per_block = ModelRunner.kv_bytes_per_block(self.model, args.block_size, self.dtype)
         num_blocks = args.num_kv_blocks or max(

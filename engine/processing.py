@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 
 from engine.errors import EmptyPromptError, InvalidImageError, InvalidRequestError
+from engine.prompt_guard import PromptLengthGuard
 from engine.request import ImageInput, ProcessedPrompt
 
 Messages = list[dict[str, Any]]
@@ -163,6 +164,9 @@ class InputProcessor:
 
         self.processor = AutoProcessor.from_pretrained(model_dir)
         self.tokenizer = self.processor.tokenizer
+        # set by the engine once it knows max_model_len: refuses over-long text before
+        # tokenising it (engine.prompt_guard)
+        self.length_guard: PromptLengthGuard | None = None
         self.image_token_id: int = hf_config.image_token_id
         self.spatial_merge_size: int = hf_config.vision_config.spatial_merge_size
         size = self.processor.image_processor.size  # transformers 5: shortest/longest_edge
@@ -255,6 +259,8 @@ class InputProcessor:
     def _process(
         self, text: str, images: list[Image.Image], size: dict[str, int]
     ) -> ProcessedPrompt:
+        if self.length_guard is not None:
+            self.length_guard.check(text)
         # ``size`` goes to the image processor only (transformers 5 spelling of the bounds)
         kwargs: dict[str, Any] = {"images_kwargs": {"size": size}} if images else {}
         try:

@@ -382,11 +382,14 @@ class Scheduler:
         out.preempted_ids.append(req.request_id)
 
     def _expire_stale(self, out: SchedulerOutput, now: float) -> None:
-        """Batch work whose deadline passed before its prefill started is dropped uncomputed."""
+        """Work whose deadline passed before its prefill started is dropped uncomputed.
+
+        Any class may carry a deadline: a camera frame past it is stale, and a chat client
+        with a deadline (``max_queue_seconds``) prefers a fast refusal to a late answer.
+        Started work is never dropped: its KV is already paid for."""
         for req in list(self.waiting):
             if (
                 req.deadline is not None
-                and req.priority is Priority.BATCH
                 and req.metrics.first_scheduled_time is None
                 and now >= req.deadline
             ):

@@ -26,7 +26,7 @@ from engine.errors import (
 
 logger = logging.getLogger("vision_serve.errors")
 
-# Status chosen for a batch request whose deadline passed before its prefill started. 503 says
+# Status chosen for a request whose deadline passed before its prefill started. 503 says
 # "the server had no capacity for this in time", which is what happened; the SDK would retry a
 # 503, so the response also carries ``x-should-retry: false`` (a stale camera frame should not
 # be re-sent; the caller decides).

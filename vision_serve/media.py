@@ -6,6 +6,11 @@ make the server fetch internal addresses); ``file://`` only under
 ``--allowed-local-media-path``. Everything else, including bare paths the engine itself would
 open, is refused. Images are decoded here (in a worker thread) so that a broken image becomes
 a 400 naming the exact message part, and the engine receives ready ``PIL`` images.
+
+A request's images pass three doors, cheapest first, so that refusing costs less than the
+attack: their count (before anything is fetched), their declared pixels per image and per
+request (read from the file headers, before any pixel is decoded: a decompression bomb is a
+small file that declares a huge image), and a server-wide bound on concurrent decodes.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class MediaLoader:
         self._client = client
         local = settings.allowed_local_media_path
         self._local_root = Path(local).resolve() if local else None
+        self._decode_slots = asyncio.Semaphore(settings.max_concurrent_image_decodes)
 
     async def aclose(self) -> None:
         if self._client is not None:
@@ -43,20 +49,67 @@ class MediaLoader:
 
     async def load(self, url: str, param: str) -> Image.Image:
         """Fetch (when allowed) and decode one image URL."""
+        (image,) = await self.load_all([(url, param)])
+        return image
+
+    async def load_all(
+        self, items: list[tuple[str, str]], param: str = "messages"
+    ) -> list[Image.Image]:
+        """Fetch and decode a request's images, ``(url, param)`` each, or raise the first 400.
+
+        All sources are read and all headers checked before the first decode, so a request
+        that would be refused for its total pixels never costs a decode."""
+        limit = self.settings.max_images_per_request
+        if len(items) > limit:
+            raise bad_request(
+                f"a request may carry at most {limit} images; this one has {len(items)} "
+                "(see --max-images-per-request)",
+                param=param,
+                code="too_many_images",
+            )
+        payloads = await asyncio.gather(*(self._read(url, p) for url, p in items))
+        headers = [probe_image(data, p) for data, (_, p) in zip(payloads, items, strict=True)]
+        total = 0
+        for (width, height), (_, p) in zip(headers, items, strict=True):
+            pixels = width * height
+            if pixels > self.settings.max_image_pixels:
+                raise bad_request(
+                    f"image is {width}x{height} = {pixels} pixels; the limit is "
+                    f"{self.settings.max_image_pixels} (see --max-image-pixels)",
+                    param=p,
+                    code="image_too_large",
+                )
+            total += pixels
+        if total > self.settings.max_request_pixels:
+            raise bad_request(
+                f"the request's images have {total} pixels in all; the limit is "
+                f"{self.settings.max_request_pixels} (see --max-request-pixels)",
+                param=param,
+                code="image_too_large",
+            )
+        return list(
+            await asyncio.gather(
+                *(self._decode(data, p) for data, (_, p) in zip(payloads, items, strict=True))
+            )
+        )
+
+    async def _decode(self, data: bytes, param: str) -> Image.Image:
+        async with self._decode_slots:
+            return await asyncio.to_thread(decode_image, data, param)
+
+    async def _read(self, url: str, param: str) -> bytes:
         scheme = url.split(":", 1)[0].lower() if ":" in url else ""
         if scheme == "data":
-            data = self._decode_data_url(url, param)
-        elif scheme in ("http", "https"):
-            data = await self._fetch(url, param)
-        elif scheme == "file":
-            data = self._read_local(url, param)
-        else:
-            raise bad_request(
-                "image_url must be a data: URL, an allowed http(s) URL or an allowed file:// URL",
-                param=param,
-                code="invalid_image_url",
-            )
-        return await asyncio.to_thread(decode_image, data, param)
+            return self._decode_data_url(url, param)
+        if scheme in ("http", "https"):
+            return await self._fetch(url, param)
+        if scheme == "file":
+            return self._read_local(url, param)
+        raise bad_request(
+            "image_url must be a data: URL, an allowed http(s) URL or an allowed file:// URL",
+            param=param,
+            code="invalid_image_url",
+        )
 
     # -- sources -------------------------------------------------------------------------------
 
@@ -165,12 +218,28 @@ def _image_class(data: bytes) -> type[ImageFile.ImageFile] | None:
     return None
 
 
+def probe_image(data: bytes, param: str) -> tuple[int, int]:
+    """The declared ``(width, height)`` from the header alone: no pixel is decoded here."""
+    image_class = _image_class(data)
+    if image_class is None:
+        raise bad_request("image is not JPEG, PNG or WebP data", param=param, code="invalid_image")
+    try:
+        width, height = image_class(io.BytesIO(data)).size
+    except _DECODE_ERRORS as exc:
+        raise _undecodable(exc, param) from None
+    if width < 1 or height < 1:
+        raise bad_request("image has no pixels", param=param, code="invalid_image")
+    return width, height
+
+
 def decode_image(data: bytes, param: str) -> Image.Image:
     """Decode JPEG/PNG/WebP bytes fully (a truncated file fails here, not in the engine).
 
     The format's decoder is called directly instead of ``Image.open``: other libraries patch
     ``Image.open`` (importing ultralytics makes it try to pip-install a HEIF plugin when an
     image is unrecognised), and a server must not do that on a client's garbage bytes.
+    Callers check the declared size with :func:`probe_image` first; Pillow's own bomb limit
+    stays as the last guard.
     """
     image_class = _image_class(data)
     if image_class is None:
@@ -184,7 +253,22 @@ def decode_image(data: bytes, param: str) -> Image.Image:
             raise bad_request("image has too many pixels", param=param, code="image_too_large")
         image.load()
         return image.convert("RGB")
-    except (OSError, SyntaxError, ValueError, struct.error, EOFError) as exc:
-        raise bad_request(
-            f"image could not be decoded ({type(exc).__name__})", param=param, code="invalid_image"
-        ) from None
+    except _DECODE_ERRORS as exc:
+        raise _undecodable(exc, param) from None
+
+
+_DECODE_ERRORS = (
+    OSError,
+    SyntaxError,
+    ValueError,
+    struct.error,
+    EOFError,
+    Image.DecompressionBombError,
+    MemoryError,
+)
+
+
+def _undecodable(exc: BaseException, param: str) -> Exception:
+    return bad_request(
+        f"image could not be decoded ({type(exc).__name__})", param=param, code="invalid_image"
+    )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vision_serve.errors import bad_request
 
@@ -78,6 +78,30 @@ class MMProcessorKwargs(BaseModel):
     max_pixels: int | None = Field(default=None, gt=0, strict=True)
 
 
+def _lone_surrogate_at(value: Any, path: str = "") -> str | None:
+    """The OpenAI-style path (``messages[0].content``) of the first string in a parsed JSON
+    value that is not encodable as UTF-8, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = _lone_surrogate_at(key, path) if isinstance(key, str) else None
+            if found is None:
+                found = _lone_surrogate_at(item, f"{path}.{key}" if path else str(key))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _lone_surrogate_at(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
 class SamplingFields(BaseModel):
     """Fields shared by chat and text completions."""
 
@@ -105,6 +129,21 @@ class SamplingFields(BaseModel):
     max_queue_seconds: float | None = Field(default=None, gt=0)
     # vLLM extra body: image size bounds for this request's images only
     mm_processor_kwargs: MMProcessorKwargs | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        """JSON may escape lone UTF-16 surrogates (``"\\ud800"``); Python then holds a string
+        that cannot be encoded, and the tokenizer or the response writer would fail with a 500
+        long after the door. Refused here, naming the field."""
+        where = _lone_surrogate_at(data)
+        if where is not None:
+            raise bad_request(
+                f"{where or 'body'}: string contains a lone UTF-16 surrogate (not valid Unicode)",
+                param=where or None,
+                code="invalid_unicode",
+            )
+        return data
 
     def check_supported(self) -> None:
         """Refuse what we would otherwise get silently wrong."""

@@ -315,7 +315,7 @@ class OpenAIServing:
     async def _engine_messages(self, messages: list[ChatMessage]) -> list[dict[str, Any]]:
         """OpenAI messages -> engine messages with every image already loaded (or a 400)."""
         out: list[dict[str, Any]] = []
-        loads: list[Awaitable[Any]] = []
+        loads: list[tuple[str, str]] = []
         slots: list[tuple[list[dict[str, Any]], int]] = []
         for i, msg in enumerate(messages):
             role = "system" if msg.role == "developer" else msg.role
@@ -336,7 +336,7 @@ class OpenAIServing:
                         raise bad_request("images are only allowed in user messages", param)
                     url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
                     parts.append({"type": "image", "image": None})
-                    loads.append(self.media.load(url, f"{param}.image_url"))
+                    loads.append((url, f"{param}.image_url"))
                     slots.append((parts, len(parts) - 1))
                 elif part.type in ("text", "image_url"):  # the right type, missing its field
                     raise bad_request(f"malformed {part.type} part", param=param)
@@ -347,7 +347,7 @@ class OpenAIServing:
                     )
             out.append({"role": role, "content": parts})
         if loads:
-            images = await asyncio.gather(*loads)
+            images = await self.media.load_all(loads)
             for (parts, k), image in zip(slots, images, strict=True):
                 parts[k]["image"] = image
         return out

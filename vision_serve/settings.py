@@ -45,6 +45,15 @@ class ServerSettings(BaseSettings):
     allowed_local_media_path: Path | None = None
     media_fetch_timeout_s: float = Field(default=5.0, gt=0)
     max_image_bytes: int = Field(default=20 * 1024 * 1024, gt=0)
+    # Door limits on images, checked from the file headers before any pixel is decoded, so one
+    # request cannot make the server allocate gigabytes (a 50 MB body of PNGs that each
+    # declare 89 MP would otherwise decode to ~40 GB). 32 Mpx fits an 8K frame.
+    max_images_per_request: int = Field(default=16, ge=0)
+    max_image_pixels: int = Field(default=32 * 1024 * 1024, gt=0)
+    max_request_pixels: int = Field(default=64 * 1024 * 1024, gt=0)
+    # Images decoded at once across all requests; decoding is CPU-bound, more than the cores
+    # only adds memory held by half-decoded images.
+    max_concurrent_image_decodes: int = Field(default=2, ge=1)
     # Whole request body; base64 images make bodies big, but not unboundedly so.
     max_request_body_mb: float = Field(default=50.0, gt=0)
     # Seconds uvicorn waits for in-flight streams on shutdown before cutting them.

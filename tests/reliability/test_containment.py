@@ -13,7 +13,7 @@ import pytest
 import engine.llm_engine as llm_engine_module
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from tests.server.support import ServerHandle, wait_for
+from tests.server.support import engine_is_idle, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,18 +35,6 @@ class _FaultyRequest(Request):
 @pytest.fixture
 def faulty_admission(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(llm_engine_module, "Request", _FaultyRequest)
-
-
-def _engine_is_idle(server: ServerHandle) -> bool:
-    stats = server.engine.get_stats()
-    inner = server.engine.engine
-    return (
-        stats.num_running == 0
-        and stats.num_waiting == 0
-        and stats.kv_blocks_used == 0
-        and not inner.detokenizers
-        and not server.engine._streams
-    )
 
 
 def test_fault_for_one_request_fails_it_and_the_next_succeeds(healthy, faulty_admission):
@@ -86,7 +74,7 @@ def test_fault_for_one_request_fails_it_and_the_next_succeeds(healthy, faulty_ad
     assert ok.usage.completion_tokens >= 1
     assert healthy.engine.is_alive()
     assert httpx.get(healthy.base_url + "/health").status_code == 200
-    assert wait_for(lambda: _engine_is_idle(healthy)), "the failed requests left state behind"
+    assert wait_for(lambda: engine_is_idle(healthy)), "the failed requests left state behind"
 
 
 async def test_fault_does_not_disturb_requests_already_running(healthy, faulty_admission):
@@ -125,7 +113,7 @@ def test_a_caller_whose_event_loop_closed_does_not_kill_the_loop(healthy):
     )
     loop.close()
     assert wait_for(lambda: "orphan" not in engine._streams, timeout=30)
-    assert wait_for(lambda: _engine_is_idle(healthy), timeout=30)
+    assert wait_for(lambda: engine_is_idle(healthy), timeout=30)
     assert engine.is_alive()
 
     with healthy.client() as client:

@@ -89,6 +89,20 @@ class ServerHandle:
         self.thread.join(timeout=10)
 
 
+def engine_is_idle(server: ServerHandle) -> bool:
+    """Nothing left behind: no request scheduled or waiting, no KV block held, no detokenizer
+    or output stream registered (what a finished, failed or abandoned request must release)."""
+    stats = server.engine.get_stats()
+    inner = server.engine.engine
+    return (
+        stats.num_running == 0
+        and stats.num_waiting == 0
+        and stats.kv_blocks_used == 0
+        and not inner.detokenizers
+        and not server.engine._streams
+    )
+
+
 def start_server(engine: Any, settings: ServerSettings) -> ServerHandle:
     """Serve ``create_app(engine, settings)`` with real uvicorn on a free loopback port, in a
     thread (so tests can read the engine's and app's recorded state directly)."""

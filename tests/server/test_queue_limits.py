@@ -1,5 +1,6 @@
 """A server whose engine runs one sequence at a time with a one-request waiting queue: queue
-full (429), batch deadlines (expired), and a stopped engine (503 + unhealthy /health)."""
+full (429), deadlines of either priority (expired), and a stopped engine (503 + unhealthy
+/health)."""
 
 from __future__ import annotations
 
@@ -88,7 +89,10 @@ async def test_full_queue_is_429_queue_full(limited):
         assert resp.choices[0].finish_reason in ("stop", "length")
 
 
-async def test_batch_request_past_its_deadline_expires(limited, request_logs):
+@pytest.mark.parametrize("priority", ["batch", "interactive"])
+async def test_request_past_its_deadline_expires(limited, request_logs, priority):
+    """Camera frames use deadlines to skip stale work; a chat client may too (it would rather
+    be told at once than answered late)."""
     engine = limited.engine
     expired_before = engine.get_stats().num_expired
     async with limited.async_client() as client:
@@ -99,7 +103,7 @@ async def test_batch_request_past_its_deadline_expires(limited, request_logs):
                 model=limited.model,
                 messages=MESSAGES,
                 max_tokens=2,
-                extra_body={"priority": "batch", "max_queue_seconds": 0.05},
+                extra_body={"priority": priority, "max_queue_seconds": 0.05},
             )
         assert exc.value.status_code == EXPIRED_STATUS
         assert exc.value.code == "expired"
@@ -113,7 +117,7 @@ async def test_batch_request_past_its_deadline_expires(limited, request_logs):
             messages=MESSAGES,
             max_tokens=2,
             stream=True,
-            extra_body={"priority": "batch", "max_queue_seconds": 0.05},
+            extra_body={"priority": priority, "max_queue_seconds": 0.05},
         )
         with pytest.raises(openai.APIError) as stream_exc:
             async for _ in stream:
@@ -124,7 +128,9 @@ async def test_batch_request_past_its_deadline_expires(limited, request_logs):
     assert wait_for(lambda: engine.get_stats().num_expired == expired_before + 2)
     metrics = httpx.get(limited.base_url + "/metrics").text
     assert f"vision_serve_requests_expired_total {float(expired_before + 2)}" in metrics
-    assert 'vision_serve_requests_total{finish_reason="expired",priority="batch"}' in metrics
+    assert (
+        f'vision_serve_requests_total{{finish_reason="expired",priority="{priority}"}}' in metrics
+    )
     lines = [f for f in request_log(request_logs).values() if f.get("finish_reason") == "expired"]
     assert len(lines) == 2
     assert all(f["status"] == EXPIRED_STATUS and f["output_tokens"] == 0 for f in lines)
