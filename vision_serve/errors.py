@@ -26,11 +26,12 @@ from engine.errors import (
 
 logger = logging.getLogger("vision_serve.errors")
 
-# Status chosen for a request whose deadline passed before its prefill started. 503 says
-# "the server had no capacity for this in time", which is what happened; the SDK would retry a
-# 503, so the response also carries ``x-should-retry: false`` (a stale camera frame should not
-# be re-sent; the caller decides).
-EXPIRED_STATUS = 503
+# Status for a request whose own deadline (``max_queue_seconds``) passed before its prefill
+# started: 408 Request Timeout, a 4xx because the outcome follows from what the client asked
+# (a server error would page whoever watches 5xx rates, and fuzzing a tiny deadline would
+# count as a server failure). The SDK retries 408, so the response also carries
+# ``x-should-retry: false``: a stale camera frame should not be re-sent; the caller decides.
+EXPIRED_STATUS = 408
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
