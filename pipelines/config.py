@@ -19,6 +19,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from pipelines.events.config import EventsConfig, UIConfig
+from pipelines.notify.config import NotifyConfig
+
 ENV_PREFIX = "VS_"
 CAMERA_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 URL_SCHEMES = ("rtsp", "rtsps", "rtmp", "http", "https", "file", "udp", "tcp", "srt")
@@ -130,7 +133,9 @@ class QueueConfig(Section):
     latest_prefix: str = "vs:latest:"
     image_prefix: str = "vs:frame:"
     stats_key: str = "vs:stats"
-    maxlen: int = Field(1000, ge=10, description="frames stream length (XADD MAXLEN ~)")
+    maxlen: int = Field(
+        1000, ge=10, description="undelivered frames the stream holds (more are refused)"
+    )
     descriptions_maxlen: int = Field(10000, ge=10)
     dead_letter_maxlen: int = Field(10000, ge=10)
     image_ttl_s: int = Field(300, ge=1)
@@ -138,6 +143,20 @@ class QueueConfig(Section):
     jpeg_quality: int = Field(85, ge=10, le=100)
     max_image_side: int = Field(1280, ge=64, description="larger frames are downscaled")
     local_buffer: int = Field(64, ge=1, description="frames held while Redis is unreachable")
+    dedupe_prefix: str = "vs:enqueued:"
+    producer_prefix: str = "vs:producer:"
+    instance: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$",
+        description="this pipeline's name in <producer_prefix><instance> (default: the "
+        "hostname); one running pipeline per name, kept across its restarts",
+    )
+    heartbeat_s: float = Field(
+        1.0, gt=0, description="how often the pipeline records its locally buffered frames"
+    )
+    producer_ttl_s: int = Field(
+        86400, ge=1, description="how long a stopped pipeline's record waits for its restart"
+    )
 
 
 class DescriberConfig(Section):
@@ -163,6 +182,9 @@ class DescriberConfig(Section):
     claim_idle_s: float = Field(30.0, gt=0, description="pending this long = worker is dead")
     claim_interval_s: float = Field(5.0, gt=0)
     max_deliveries: int = Field(5, ge=1, description="then the frame goes to the dead letters")
+    max_failures: int = Field(
+        3, ge=1, description="server errors (HTTP 500...) one frame may get, then it is dead"
+    )
     backoff_initial_s: float = Field(0.5, gt=0)
     backoff_max_s: float = Field(10.0, gt=0)
     shutdown_grace_s: float = Field(10.0, ge=0)
@@ -175,6 +197,33 @@ class MetricsConfig(Section):
     host: str = "0.0.0.0"
     pipeline_port: int = Field(9101, ge=0, le=65535)
     describe_port: int = Field(9102, ge=0, le=65535)
+
+
+def redacted_redis_url(url: str) -> str:
+    """``url`` fit for a log line or an error message: password (and any ``password=``
+    query value) replaced by ``***``; a URL too broken to tell where its password ends is
+    shown as ``scheme://***``."""
+    from urllib.parse import urlsplit
+
+    scheme = url.partition("://")[0] if "://" in url else "redis"
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (raises on a port that is not a number)
+    except ValueError:
+        return f"{scheme}://***"
+    if "@" in url and "@" not in parts.netloc:  # a '/', '?' or '#' in the password
+        return f"{scheme}://***"
+    if "@" in parts.netloc:
+        userinfo, _, host = parts.netloc.rpartition("@")
+        user, colon, _ = userinfo.partition(":")
+        # user-only userinfo may be a password given without the ':' (redis://secret@host)
+        url = url.replace(parts.netloc, f"{user}:***@{host}" if colon else f"***@{host}", 1)
+    base, question, rest = url.partition("?")
+    query, hash_, fragment = rest.partition("#")
+    pairs = [
+        p.partition("=")[0] + "=***" if "password" in p.lower() else p for p in query.split("&")
+    ]
+    return base + question + "&".join(pairs) + hash_ + fragment
 
 
 class PipelineConfig(BaseSettings):
@@ -195,6 +244,9 @@ class PipelineConfig(BaseSettings):
     queue: QueueConfig = Field(default_factory=QueueConfig)
     describer: DescriberConfig = Field(default_factory=DescriberConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    events: EventsConfig = Field(default_factory=EventsConfig)
+    ui: UIConfig = Field(default_factory=UIConfig)
+    notify: NotifyConfig = Field(default_factory=NotifyConfig)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
     @classmethod
@@ -211,9 +263,24 @@ class PipelineConfig(BaseSettings):
 
     @field_validator("redis_url")
     @classmethod
-    def _redis_scheme(cls, value: str) -> str:
+    def _redis_url(cls, value: str) -> str:
+        # the messages never repeat the URL: it may carry a password
+        from urllib.parse import urlsplit
+
         if not value.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("must start with redis://, rediss:// or unix://")
+        if value.startswith("unix://"):
+            return value
+        try:
+            parts = urlsplit(value)
+            parts.port  # noqa: B018  (raises on a port that is not a number)
+        except ValueError:
+            parts = None
+        if parts is None or not parts.hostname:
+            raise ValueError(
+                "no host[:port] found; a password with '/', '?', '#' or '%' must be "
+                "percent-encoded (or use one of letters and digits: openssl rand -hex 32)"
+            )
         return value
 
     @model_validator(mode="after")
@@ -240,6 +307,8 @@ def _describe_errors(exc: ValidationError) -> str:
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"]) or "(top level)"
         got = err.get("input")
+        if err["loc"] and err["loc"][-1] == "redis_url" and isinstance(got, str):
+            got = redacted_redis_url(got)  # never echo a password into logs
         shown = "" if isinstance(got, dict | list) or got is None else f" (got {got!r})"
         lines.append(f"  {where}: {err['msg']}{shown}")
     return "\n".join(lines)

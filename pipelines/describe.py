@@ -12,9 +12,14 @@ Delivery contract (why each piece exists):
 - Each reclaim counts a delivery; past ``max_deliveries`` (a frame that keeps killing its
   workers) it goes to the dead-letter stream instead.
 - Frames older than ``max_frame_age_s`` are acknowledged as expired, never sent.
-- Endpoint down: the frame being described is retried with backoff and the worker takes at
-  most one frame at a time until the endpoint answers again; the rest wait in the stream
-  and expire by age when they are finally read. Counted, no crash.
+- Endpoint down (refused, timeout, 429, 503...): the frame being described is retried with
+  backoff and the worker takes at most one frame at a time until the endpoint answers
+  again; the rest wait in the stream and expire by age when they are finally read. Counted,
+  no crash.
+- Endpoint up but failing on a frame (HTTP 500...): retried with backoff, and after
+  ``max_failures`` such answers the frame is dead-lettered (``dead:server_error``) rather
+  than retried as an outage until it expires.
+- Every outcome is counted in the stats hash so that ``queue.IDENTITY`` holds.
 - Redis down: every Redis call is retried with backoff; the worker keeps running.
 """
 
@@ -36,8 +41,15 @@ from pipelines import metrics
 from pipelines.backoff import Backoff
 from pipelines.config import PipelineConfig
 from pipelines.logs import kv
-from pipelines.queue import COMMIT_LUA
-from pipelines.vlm import EndpointUnavailable, FrameRejected, VLMClient, build_prompt, fit_frame
+from pipelines.queue import COMMIT_LUA, log_redis_down
+from pipelines.vlm import (
+    EndpointUnavailable,
+    FrameRejected,
+    ServerError,
+    VLMClient,
+    build_prompt,
+    fit_frame,
+)
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +222,7 @@ class Describer:
     async def _redis_down(self, exc: BaseException, backoff: Backoff) -> None:
         metrics.REDIS_ERRORS.labels("describer").inc()
         if backoff.attempts == 0:
-            log.warning(kv("redis_unavailable", component="describer", error=exc))
+            log_redis_down("describer", exc)
         await self._sleep(backoff.next_delay())
 
     async def _sleep(self, seconds: float) -> None:
@@ -253,9 +265,8 @@ class Describer:
         self._claim_cursor = _s(reply[0])
         entries = reply[1] or []
         deleted = reply[2] if len(reply) > 2 else []
-        for entry_id in deleted:  # trimmed from the stream while pending: count the loss
-            self._count(_s(entry_id), "?", "lost", "trimmed_pending")
-            await self.redis.hincrby(self.q.stats_key, "lost:trimmed_pending", 1)
+        for entry_id in deleted:  # deleted from the stream while pending: count the loss
+            await self._dead_deleted(_s(entry_id))
         for entry_id, fields in entries:
             entry_id = _s(entry_id)
             if entry_id in self.inflight or fields is None:
@@ -277,6 +288,20 @@ class Describer:
             )
             self._spawn(entry_id, fields, deliveries)
         await self._forget_idle_consumers()
+
+    async def _dead_deleted(self, entry_id: str) -> None:
+        """An entry XAUTOCLAIM found gone from the stream (the enqueue script never trims
+        pending ones; someone deleted it): a dead letter with what is left, its id."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.xadd(
+                self.q.dead_letter_stream,
+                {"frame_id": entry_id, "reason": "trimmed_pending", "detail": "entry deleted"},
+                maxlen=self.q.dead_letter_maxlen,
+                approximate=True,
+            )
+            pipe.hincrby(self.q.stats_key, "dead:trimmed_pending", 1)
+            await pipe.execute()
+        self._count(entry_id, "?", "dead", "trimmed_pending")
 
     async def _forget_idle_consumers(self) -> None:
         """Bounded group state: drop consumers that own nothing and were idle for long."""
@@ -344,25 +369,36 @@ class Describer:
             )
         prompt = build_prompt(self.config.prompt_for(camera), prompt_fields)
         backoff = Backoff(self.d.backoff_initial_s, self.d.backoff_max_s)
+        failures = 0
         while True:
             try:
                 text, info = await self.vlm.describe(jpeg, prompt)
                 break
             except EndpointUnavailable as exc:
                 self._endpoint_failed(exc)
-                left = ts + self.q.max_frame_age_s - time.time()
-                if left <= 0:
-                    await self._finish(entry_id, fields, "expired", "max_age", str(exc))
+                error = exc
+            except ServerError as exc:  # the endpoint answered: this frame may be the cause
+                self._endpoint_answered()
+                failures += 1
+                if failures >= self.d.max_failures:
+                    detail = f"{failures} server errors, last: {exc}"
+                    await self._finish(entry_id, fields, "dead", "server_error", detail)
                     return
-                await self._sleep(min(backoff.next_delay(), left + 0.01))
+                error = exc
             except FrameRejected as exc:
                 self._endpoint_answered()
                 await self._finish(entry_id, fields, "dead", "rejected", str(exc))
                 return
+            left = ts + self.q.max_frame_age_s - time.time()
+            if left <= 0:
+                await self._finish(entry_id, fields, "expired", "max_age", str(error))
+                return
+            await self._sleep(min(backoff.next_delay(), left + 0.01))
         self._endpoint_answered()
         now = time.time()
         result = {
             "frame_id": entry_id,
+            "frame_uid": fields.get("frame_uid", ""),
             "camera": camera,
             "ts": fields.get("ts", ""),
             "described_at": f"{now:.6f}",
@@ -418,9 +454,13 @@ class Describer:
             out_stream,
             f"{self.q.latest_prefix}{camera}",
             self.q.stats_key,
-            # described frames keep their JPEG until its TTL (an events page may show it)
-            "" if outcome == "described" else fields.get("image", ""),
         ]
+        # described frames keep their JPEG until its TTL (an events page may show it); the
+        # others free it now. No placeholder key when there is none: an ACL user limited to
+        # the queue's key pattern may not touch a key named "".
+        image_key = fields.get("image", "")
+        if outcome != "described" and image_key:
+            keys.append(image_key)
         acked = await self._redis(lambda: self._commit_script(keys=keys, args=args))
         if not acked:
             self._count(entry_id, camera, "duplicate", reason)

@@ -247,5 +247,5 @@ class CameraReader:
         url = str(self.camera.url)
         if "@" in url and "://" in url:
             scheme, rest = url.split("://", 1)
-            url = f"{scheme}://***@{rest.split('@', 1)[1]}"
+            url = f"{scheme}://***@{rest.rsplit('@', 1)[1]}"  # a password may contain '@'
         return url

@@ -2,9 +2,9 @@
 
 Why these: Frigate-style operability -- every camera's health is visible (up, fps,
 reconnects) and every frame that does not become a description is counted with a reason
-(``dropped`` in the pipeline, ``expired`` / ``dead_lettered`` / ``lost`` in describers).
-Cluster-wide totals also live in the Redis stats hash (see ``queue.py``), because each
-process's Prometheus counters only see that process.
+(``dropped`` in the pipeline, ``expired`` / ``dead`` in describers). Cluster-wide totals
+also live in the Redis stats hash (see ``queue.py`` for the names and the identity they
+keep), because each process's Prometheus counters only see that process.
 """
 
 from __future__ import annotations
@@ -53,14 +53,22 @@ GATE_DECISIONS = Counter(
 
 # --- queue producer --------------------------------------------------------------------
 FRAMES_ENQUEUED = Counter("vs_frames_enqueued", "frames added to the Redis stream", ["camera"])
-QUEUE_TRIMMED = Counter("vs_queue_trimmed", "stream entries removed by XADD MAXLEN ~")
+QUEUE_TRIMMED = Counter(
+    "vs_queue_trimmed", "acknowledged stream entries removed (XTRIM MINID) to keep maxlen"
+)
+ENQUEUE_DUPLICATES = Counter(
+    "vs_enqueue_duplicates", "retried sends whose frame was already enqueued (not added again)"
+)
+FRAMES_LOST_CRASH = Counter(
+    "vs_frames_lost_crash", "frames a killed previous run of this pipeline held unsent"
+)
 ENQUEUE_BUFFER = Gauge("vs_enqueue_buffer_frames", "frames waiting in the ingest process")
 REDIS_ERRORS = Counter("vs_redis_errors", "Redis connection failures", ["component"])
 
 # --- describers ------------------------------------------------------------------------
 DESCRIBE_OUTCOMES = Counter(
     "vs_describe_frames",
-    "frames finished by this worker: described / expired / dead_lettered / duplicate / lost",
+    "frames finished by this worker: described / expired / dead / duplicate",
     ["camera", "outcome", "reason"],
 )
 DESCRIBE_LATENCY = Histogram(

@@ -72,7 +72,14 @@ class CameraPipeline:
         self.queue.start()
         for reader in self.readers.values():
             reader.start()
-        log.info(kv("pipeline_started", cameras=",".join(self.readers) or "-"))
+        log.info(
+            kv(
+                "pipeline_started",
+                cameras=",".join(self.readers) or "-",
+                instance=self.queue.instance,
+                run=self.queue.run_id,
+            )
+        )
         try:
             while not self._stop.is_set():
                 self._wake.wait(0.5)

@@ -2,32 +2,62 @@
 
 Layout (names from ``QueueConfig``):
 
-- ``frames`` stream: one entry per gated frame -- camera, capture time, boxes and the key
-  of its JPEG. Consumed by the ``describers`` group (created from id 0, so frames enqueued
-  before any describer started are not skipped).
-- ``frame:<uuid>`` string: the JPEG itself, with a TTL, so a stream that nobody drains
+- ``frames`` stream: one entry per gated frame -- camera, capture time, boxes, ``frame_uid``
+  and the key of its JPEG. Consumed by the ``describers`` group (created from id 0, so frames
+  enqueued before any describer started are not skipped).
+- ``frame:<frame_uid>`` string: the JPEG itself, with a TTL, so a stream that nobody drains
   cannot hold gigabytes of images.
+- ``enqueued:<frame_uid>`` string: the stream entry id of an enqueued frame, kept as long as
+  the frame may still be sent (``max(image_ttl_s, max_frame_age_s)``).
 - ``descriptions`` stream and ``latest:<camera>`` hash: results.
 - ``frames:dead`` stream: frames given up on, with the reason.
-- ``stats`` hash: cluster-wide counters (enqueued, trimmed, refused, described,
-  expired:<reason>, dead:<reason>, duplicate_discarded, lost:<reason>).
+- ``producer:<instance>`` hash: a running pipeline's ``run`` id, the frames it holds
+  unsent (``buffered``) and its last ``heartbeat``.
+- ``stats`` hash: cluster-wide counters, below.
 
-Both writes are Lua scripts, so each is atomic and survives a Redis restart as a whole
-(with AOF). Enqueue refuses -- counted -- when the group's undelivered backlog reaches
-``maxlen``; that keeps ``XADD MAXLEN ~`` trimming to entries already handed to a describer,
-so trimming never destroys an unseen frame. Commit acknowledges and records in one step,
-gated on ``XACK`` returning 1: of two workers that described the same frame, only the first
-result is stored, so a frame is never described twice after acknowledgement.
+Frame identity: ``frame_uid = <camera>:<run>:<seq>``, where ``run`` is random per pipeline
+process and ``seq`` the camera reader's sample number. A retried send keeps it; a restarted
+pipeline, whose cameras count from 1 again, does not reuse it. Enqueue is idempotent per
+``frame_uid``: a send whose reply was lost (socket timeout) and is retried finds its entry
+and returns it (counted ``enqueue_duplicate``) instead of adding the frame twice.
+
+Accounting: every enqueued frame has exactly one outcome, so at every instant
+
+    enqueued == described + expired + dead + pending
+
+- ``expired`` is the sum of ``expired:<reason>`` (``max_age``, ``image_gone``), ``dead`` the
+  sum of ``dead:<reason>`` (``rejected``, ``server_error``, ``max_deliveries``,
+  ``trimmed_pending``), and ``pending`` the entries in the group's pending list (delivered,
+  not acknowledged) plus those not yet delivered.
+- Both sides move together inside Lua scripts: enqueue adds the entry and counts it; commit
+  acknowledges and counts the outcome, gated on ``XACK`` returning 1 (of two workers that
+  described the same frame only the first result is stored; the other is counted
+  ``duplicate_discarded``). ``accounting()`` reads both sides in one script.
+
+Frames that never reach the stream are counted under their own names, outside the identity:
+``refused_queue_full`` (the group's undelivered backlog is at ``maxlen``),
+``dropped:<reason>`` (``buffer_full``, ``shutdown_unsent``, ``redis_refused``,
+``encode_failed``, ``expired``) and ``lost:crash`` (frames a killed pipeline held, from its
+producer record: its successor under the same instance name adds them at start). Drops
+counted while Redis is unreachable are kept in the process and added on the next contact.
+``trimmed`` counts acknowledged entries removed from the stream; it is not an outcome.
+
+Trimming never removes a frame that still needs a worker: the enqueue script trims
+with ``XTRIM MINID`` to at most ``maxlen`` entries, bounded by the oldest pending entry and
+the first undelivered one, so only acknowledged entries go (``XADD MAXLEN ~`` would also
+drop frames a worker holds, and their results would be discarded).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import socket
 import threading
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -46,10 +76,33 @@ log = logging.getLogger(__name__)
 
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
+
+def log_redis_down(component: str, exc: BaseException) -> None:
+    """One log line for an unusable Redis. A refused login is a ``ConnectionError`` too and
+    is retried like an outage (the password may be fixed on the server side), but it is
+    named as what it is, at error level, so it is not mistaken for a network blip."""
+    if isinstance(exc, redis.AuthenticationError):
+        log.error(kv("redis_auth_failed", component=component, error=exc))
+    else:
+        log.warning(kv("redis_unavailable", component=component, error=exc))
+
+
+IDENTITY = "enqueued == described + expired + dead + pending"
+
 ENQUEUE_LUA = """
--- KEYS: frames stream, image key, stats hash
--- ARGV: jpeg, ttl seconds, maxlen, group, then field/value pairs of the entry
-local stream, maxlen, group = KEYS[1], tonumber(ARGV[3]), ARGV[4]
+-- KEYS: frames stream, image key, stats hash, dedupe key, producer record
+-- ARGV: jpeg, image ttl s, maxlen, group, dedupe ttl s, run id, frames still buffered,
+--       then field/value pairs of the entry
+-- returns {entry id ('' when refused), entries trimmed, 1 if the frame was already enqueued}
+local stream, stats, maxlen, group = KEYS[1], KEYS[3], tonumber(ARGV[3]), ARGV[4]
+if redis.call('HGET', KEYS[5], 'run') == ARGV[6] then
+  redis.call('HSET', KEYS[5], 'buffered', ARGV[7])
+end
+local existing = redis.call('GET', KEYS[4])
+if existing then  -- a retried send whose first try got through
+  redis.call('HINCRBY', stats, 'enqueue_duplicate', 1)
+  return {existing, 0, 1}
+end
 local found, lag, last = false, false, '0-0'
 if redis.call('EXISTS', stream) == 1 then
   for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
@@ -68,22 +121,41 @@ if not lag then  -- unknown (Redis < 7, or deletions): count what the group has 
   lag = #redis.call('XRANGE', stream, '(' .. last, '+', 'COUNT', maxlen)
 end
 if lag >= maxlen then
-  redis.call('HINCRBY', KEYS[3], 'refused_queue_full', 1)
-  return {'', 0}
+  redis.call('HINCRBY', stats, 'refused_queue_full', 1)
+  return {'', 0, 0}
 end
 redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
-local before = redis.call('XLEN', stream)
 local fields = {}
-for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
-local id = redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', unpack(fields))
-local trimmed = before + 1 - redis.call('XLEN', stream)
-redis.call('HINCRBY', KEYS[3], 'enqueued', 1)
-if trimmed > 0 then redis.call('HINCRBY', KEYS[3], 'trimmed', trimmed) end
-return {id, trimmed}
+for i = 8, #ARGV do fields[#fields + 1] = ARGV[i] end
+local id = redis.call('XADD', stream, '*', unpack(fields))
+redis.call('SET', KEYS[4], id, 'EX', ARGV[5])
+redis.call('HINCRBY', stats, 'enqueued', 1)
+-- trim to maxlen, oldest first, but only acknowledged entries: stop at the oldest pending
+-- one and at the first one not yet delivered
+local function older(a, b)
+  local am, as = string.match(a, '^(%d+)-(%d+)$')
+  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
+  am, bm = tonumber(am), tonumber(bm)
+  if am ~= bm then return am < bm end
+  return tonumber(as) < tonumber(bs)
+end
+local trimmed = 0
+local excess = redis.call('XLEN', stream) - maxlen
+if excess > 0 then
+  local head = redis.call('XRANGE', stream, '-', '+', 'COUNT', excess + 1)
+  local keep = head[#head][1]
+  local pel = redis.call('XPENDING', stream, group)
+  if pel[1] > 0 and older(pel[2], keep) then keep = pel[2] end
+  local unseen = redis.call('XRANGE', stream, '(' .. last, '+', 'COUNT', 1)
+  if unseen[1] and older(unseen[1][1], keep) then keep = unseen[1][1] end
+  trimmed = redis.call('XTRIM', stream, 'MINID', keep)
+  if trimmed > 0 then redis.call('HINCRBY', stats, 'trimmed', trimmed) end
+end
+return {id, trimmed, 0}
 """
 
 COMMIT_LUA = """
--- KEYS: frames stream, output stream, latest hash, stats hash, image key
+-- KEYS: frames stream, output stream, latest hash, stats hash[, image key to delete]
 -- ARGV: group, entry id, outcome (described|dead|expired), stats field, output maxlen,
 --       then field/value pairs of the output entry
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
@@ -99,8 +171,58 @@ if ARGV[3] == 'described' then
   redis.call('HSET', KEYS[3], unpack(fields))
 end
 redis.call('HINCRBY', KEYS[4], ARGV[4], 1)
-if KEYS[5] ~= '' then redis.call('DEL', KEYS[5]) end
+if KEYS[5] then redis.call('DEL', KEYS[5]) end
 return 1
+"""
+
+PRODUCER_LUA = """
+-- KEYS: producer record, stats hash
+-- ARGV: mode (start|beat|stop), run id, frames buffered, now, record ttl s, batch number,
+--       then counter/increment pairs for the stats hash
+-- returns frames added to lost:crash (start), -1 when another run holds the record, else 0
+local rec, stats, mode, run = KEYS[1], KEYS[2], ARGV[1], ARGV[2]
+local owner = redis.call('HGET', rec, 'run')
+local lost = 0
+if mode == 'start' and owner and owner ~= run then  -- a previous run that did not stop
+  lost = tonumber(redis.call('HGET', rec, 'buffered') or '0') or 0
+  if lost > 0 then redis.call('HINCRBY', stats, 'lost:crash', lost) end
+  redis.call('DEL', rec)
+  owner = false
+end
+if owner and owner ~= run then  -- another pipeline runs under this name: count, keep out
+  for i = 7, #ARGV, 2 do redis.call('HINCRBY', stats, ARGV[i], ARGV[i + 1]) end
+  return -1
+end
+local batch = tonumber(ARGV[6])
+if batch > tonumber(redis.call('HGET', rec, 'flushed') or '0') then  -- not added by a retry
+  for i = 7, #ARGV, 2 do redis.call('HINCRBY', stats, ARGV[i], ARGV[i + 1]) end
+end
+if mode == 'stop' then
+  redis.call('DEL', rec)
+else
+  redis.call('HSET', rec, 'run', run, 'buffered', ARGV[3], 'heartbeat', ARGV[4],
+             'flushed', batch)
+  redis.call('EXPIRE', rec, ARGV[5])
+end
+return lost
+"""
+
+ACCOUNTING_LUA = """
+-- KEYS: stats hash, frames stream; ARGV: group
+-- one snapshot of the counters and of the frames still queued (pending list, undelivered)
+local in_pel, undelivered = 0, 0
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  undelivered = redis.call('XLEN', KEYS[2])  -- no group yet: nothing was delivered
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[2])) do
+    local info = {}
+    for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
+    if info['name'] == ARGV[1] then
+      in_pel = info['pending']
+      undelivered = #redis.call('XRANGE', KEYS[2], '(' .. info['last-delivered-id'], '+')
+    end
+  end
+end
+return {redis.call('HGETALL', KEYS[1]), in_pel, undelivered}
 """
 
 
@@ -154,6 +276,65 @@ def queue_depth(client: redis.Redis, cfg: QueueConfig) -> dict[str, Any]:
     return out
 
 
+def accounting(client: redis.Redis, cfg: QueueConfig) -> dict[str, Any]:
+    """The stats counters in one snapshot with the queue, and whether ``IDENTITY`` holds.
+
+    ``expired`` / ``dead`` are summed over their reasons (``*_by_reason`` has the parts);
+    ``pending`` is ``in_pel + undelivered``; ``unaccounted`` is what the identity misses
+    (0 when it holds). ``not_enqueued`` lists the counters of frames that never reached the
+    stream, ``producers`` each pipeline's record (frames it holds unsent, heartbeat age).
+    """
+    script = client.register_script(ACCOUNTING_LUA)
+    raw, in_pel, undelivered = script(keys=[cfg.stats_key, cfg.frames_stream], args=[cfg.group])
+    counters = {_s(k): int(v) for k, v in zip(raw[::2], raw[1::2], strict=True)}
+    expired = {k.partition(":")[2]: v for k, v in counters.items() if k.startswith("expired:")}
+    dead = {k.partition(":")[2]: v for k, v in counters.items() if k.startswith("dead:")}
+    pending = int(in_pel) + int(undelivered)
+    outcomes = counters.get("described", 0) + sum(expired.values()) + sum(dead.values())
+    enqueued = counters.get("enqueued", 0)
+    return {
+        "identity": IDENTITY,
+        "holds": enqueued == outcomes + pending,
+        "unaccounted": enqueued - outcomes - pending,
+        "enqueued": enqueued,
+        "described": counters.get("described", 0),
+        "expired": sum(expired.values()),
+        "dead": sum(dead.values()),
+        "pending": pending,
+        "in_pel": int(in_pel),
+        "undelivered": int(undelivered),
+        "expired_by_reason": expired,
+        "dead_by_reason": dead,
+        "not_enqueued": {
+            k: v
+            for k, v in counters.items()
+            if k == "refused_queue_full" or k.startswith(("dropped:", "lost:"))
+        },
+        "counters": counters,
+        "producers": producer_records(client, cfg),
+    }
+
+
+def producer_records(client: redis.Redis, cfg: QueueConfig) -> dict[str, dict[str, Any]]:
+    """Each pipeline's record by instance name: run id, frames buffered, heartbeat age."""
+    out: dict[str, dict[str, Any]] = {}
+    for key in client.scan_iter(match=f"{cfg.producer_prefix}*", count=100):
+        raw = {_s(k): _s(v) for k, v in client.hgetall(key).items()}
+        if not raw:
+            continue
+        beat = float(raw.get("heartbeat") or 0.0)
+        out[_s(key)[len(cfg.producer_prefix) :]] = {
+            "run": raw.get("run", ""),
+            "buffered": int(raw.get("buffered") or 0),
+            "heartbeat_age_s": round(max(0.0, time.time() - beat), 3) if beat else None,
+        }
+    return out
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 @dataclass
 class Outgoing:
     """A gated frame on its way to Redis."""
@@ -201,7 +382,10 @@ class FrameQueue:
     Why a buffer and a thread: the detector loop must never wait on Redis. While Redis is
     unreachable the newest ``local_buffer`` frames wait here (older ones are dropped,
     counted ``buffer_full``), frames older than ``max_frame_age_s`` are dropped as
-    ``expired``, and the thread reconnects with backoff.
+    ``expired``, and the thread reconnects with backoff. Drops are counted in Redis too
+    (``dropped:<reason>``, added on the next contact), and every ``heartbeat_s`` the thread
+    records how many frames it holds in ``producer:<instance>``, so a SIGKILL leaves a trace
+    that the next run under the same instance name counts (``lost:crash``).
     """
 
     def __init__(
@@ -214,29 +398,50 @@ class FrameQueue:
         self.cfg = cfg
         self.client = client or connect(redis_url)
         self._enqueue = self.client.register_script(ENQUEUE_LUA)
+        self._producer = self.client.register_script(PRODUCER_LUA)
         self._on_drop = on_drop  # (camera_id, reason)
+        self.run_id = uuid.uuid4().hex[:12]
+        self.instance = cfg.instance or socket.gethostname()
+        self.record_key = f"{cfg.producer_prefix}{self.instance}"
+        self._dedupe_ttl = max(cfg.image_ttl_s, math.ceil(cfg.max_frame_age_s))
         self._buffer: deque[Outgoing] = deque()
+        self._sending = 0  # taken from the buffer, send not finished (0 or 1)
         self._cond = threading.Condition()
         self._closing = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="enqueue", daemon=True)
+        # drop counters not yet in Redis, and the batch being added (retried as is)
+        self._counts_lock = threading.Lock()
+        self._unreported: Counter[str] = Counter()
+        self._batch: dict[str, int] = {}
+        self._batch_no = 0
+        self._started = False  # the record is ours (a predecessor's is counted)
+        self._next_beat = 0.0
+        self._shared_warned = False
         self.enqueued = 0
+        self.duplicates = 0
         self.trimmed = 0
         self.redis_errors = 0
-        self.connected = False
+        self.lost_crash = 0
+        self.connected = False  # the last Redis call got through
+        self._backoff = Backoff(0.2, 5.0)
 
     def start(self) -> None:
         self._thread.start()
+
+    def frame_uid(self, frame: Frame) -> str:
+        """The frame's identity: survives a retried send, not a pipeline restart."""
+        return f"{frame.camera_id}:{self.run_id}:{frame.seq}"
 
     def submit(self, item: Outgoing) -> None:
         """Queue a frame for Redis without blocking; the oldest is dropped when full."""
         with self._cond:
             if self._closing:
-                self._on_drop(item.frame.camera_id, "shutdown_unsent")
+                self._drop(item.frame.camera_id, "shutdown_unsent")
                 return
             if len(self._buffer) >= self.cfg.local_buffer:
                 oldest = self._buffer.popleft()
-                self._on_drop(oldest.frame.camera_id, "buffer_full")
+                self._drop(oldest.frame.camera_id, "buffer_full")
             self._buffer.append(item)
             metrics.ENQUEUE_BUFFER.set(len(self._buffer))
             self._cond.notify()
@@ -246,7 +451,11 @@ class FrameQueue:
             return len(self._buffer)
 
     def stop(self, flush_timeout: float = 5.0) -> None:
-        """Stop accepting; send what is buffered for up to ``flush_timeout``; count the rest."""
+        """Stop accepting; send what is buffered for up to ``flush_timeout``; count the rest.
+
+        Then the drop counters go to Redis and the producer record is removed: a clean stop
+        leaves nothing for the next run to count as lost.
+        """
         with self._cond:
             self._closing = True
             self._cond.notify_all()
@@ -256,86 +465,183 @@ class FrameQueue:
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
-        self._thread.join(5.0)
+        if self._thread.ident is not None:
+            self._thread.join(5.0)
         with self._cond:
             while self._buffer:
-                self._on_drop(self._buffer.popleft().frame.camera_id, "shutdown_unsent")
+                self._drop(self._buffer.popleft().frame.camera_id, "shutdown_unsent")
             metrics.ENQUEUE_BUFFER.set(0)
+        if self._thread.is_alive() or not self.connected:
+            # Redis is unreachable (or the thread still waits on it): rather than delay the
+            # stop, leave the record -- the next run counts its buffered frames as lost
+            log.warning(kv("producer_unreported", instance=self.instance, run=self.run_id))
+            return
+        try:
+            if not self._started:
+                self._report("start")
+            self._report("stop")
+        except redis.RedisError as exc:  # the record stays: the next run counts the buffer
+            log.warning(kv("producer_unreported", instance=self.instance, error=exc))
+
+    # -- counting ----------------------------------------------------------------------
+    def _drop(self, camera: str, reason: str) -> None:
+        self._on_drop(camera, reason)
+        if reason == "queue_full":  # the enqueue script counted it (refused_queue_full)
+            return
+        with self._counts_lock:
+            self._unreported[f"dropped:{reason}"] += 1
+
+    def _report(self, mode: str) -> None:
+        """Add the drop counters to Redis and write the producer record, in one script.
+
+        Retry-safe: a batch keeps its number until Redis confirms it, and the script adds a
+        batch only once.
+        """
+        with self._counts_lock:
+            if not self._batch and self._unreported:
+                self._batch_no += 1
+                self._batch = dict(self._unreported)
+                self._unreported.clear()
+            batch, number = dict(self._batch), self._batch_no
+        with self._cond:
+            buffered = len(self._buffer) + self._sending
+        args: list[Any] = [mode, self.run_id, buffered, f"{time.time():.3f}"]
+        args += [self.cfg.producer_ttl_s, number]
+        for field, n in batch.items():
+            args += [field, n]
+        lost = int(self._producer(keys=[self.record_key, self.cfg.stats_key], args=args))
+        self._reached_redis()
+        with self._counts_lock:
+            self._batch = {}
+        if mode == "start":
+            self._started = True
+            if lost > 0:
+                self.lost_crash = lost
+                metrics.FRAMES_LOST_CRASH.inc(lost)
+                log.warning(kv("previous_run_lost", instance=self.instance, frames=lost))
+        if lost < 0 and not self._shared_warned:
+            self._shared_warned = True
+            log.warning(kv("instance_in_use", instance=self.instance, run=self.run_id))
+
+    def _keep_record(self) -> None:
+        """Claim the record on first contact, then refresh it every ``heartbeat_s``.
+
+        Raises REDIS_DOWN; a refusal (e.g. OOM) is logged and frames still go out.
+        """
+        now = time.monotonic()
+        if now < self._next_beat:
+            return
+        self._next_beat = now + self.cfg.heartbeat_s
+        try:
+            self._report("beat" if self._started else "start")
+        except REDIS_DOWN:
+            raise
+        except redis.RedisError as exc:
+            log.warning(kv("producer_record_refused", instance=self.instance, error=exc))
 
     # -- the thread --------------------------------------------------------------------
     def _next(self) -> Outgoing | None:
+        """The oldest buffered frame, or None after a short wait (time for a heartbeat)."""
         with self._cond:
-            while not self._buffer and not self._stop.is_set():
-                if self._closing:
-                    return None
-                self._cond.wait(0.5)
+            if not self._buffer and not self._stop.is_set() and not self._closing:
+                self._cond.wait(min(0.5, max(0.01, self._next_beat - time.monotonic())))
             if self._stop.is_set() or not self._buffer:
                 return None
             item = self._buffer.popleft()
+            self._sending = 1
             metrics.ENQUEUE_BUFFER.set(len(self._buffer))
             return item
 
     def _requeue(self, item: Outgoing) -> None:
         with self._cond:
+            self._sending = 0
             if len(self._buffer) >= self.cfg.local_buffer:
-                self._on_drop(item.frame.camera_id, "buffer_full")
+                self._drop(item.frame.camera_id, "buffer_full")
             else:
                 self._buffer.appendleft(item)
             metrics.ENQUEUE_BUFFER.set(len(self._buffer))
 
+    def _reached_redis(self) -> None:
+        self._backoff.reset()
+        if not self.connected:
+            log.info(kv("redis_connected", component="enqueue"))
+        self.connected = True
+
     def _run(self) -> None:
-        backoff = Backoff(0.2, 5.0)
         while True:
-            item = self._next()
-            if item is None:
-                if self._stop.is_set() or self._closing:
-                    return
-                continue
-            camera = item.frame.camera_id
-            if time.time() - item.frame.ts > self.cfg.max_frame_age_s:
-                self._on_drop(camera, "expired")
-                continue
+            item: Outgoing | None = None
             try:
-                self._send(item)
-                backoff.reset()
-                if not self.connected:
-                    log.info(kv("redis_connected", component="enqueue"))
-                self.connected = True
+                self._keep_record()
+                item = self._next()
+                if item is None:
+                    if self._stop.is_set() or (self._closing and not self.pending()):
+                        return
+                    continue
+                self._handle(item)
             except REDIS_DOWN as exc:
                 self.redis_errors += 1
                 metrics.REDIS_ERRORS.labels("enqueue").inc()
-                if self.connected or backoff.attempts == 0:
-                    log.warning(kv("redis_unavailable", component="enqueue", error=exc))
+                if self.connected or self._backoff.attempts == 0:
+                    log_redis_down("enqueue", exc)
                 self.connected = False
-                self._requeue(item)
-                if backoff.wait(self._stop):
+                self._next_beat = 0.0  # on the next contact: counters and record first
+                if item is not None:
+                    self._requeue(item)
+                if self._backoff.wait(self._stop):
                     return
-            except redis.RedisError as exc:  # e.g. OOM: Redis refuses writes
-                log.warning(kv("frame_refused", camera=camera, error=exc))
-                self._on_drop(camera, "redis_refused")
-            except ValueError as exc:
-                log.warning(kv("frame_unencodable", camera=camera, error=exc))
-                self._on_drop(camera, "encode_failed")
+
+    def _handle(self, item: Outgoing) -> None:
+        """Send one frame; a frame Redis cannot take is dropped, counted. Raises REDIS_DOWN."""
+        camera = item.frame.camera_id
+        try:
+            if time.time() - item.frame.ts > self.cfg.max_frame_age_s:
+                self._drop(camera, "expired")
+                return
+            self._send(item)
+        except REDIS_DOWN:
+            raise
+        except redis.RedisError as exc:  # e.g. OOM: Redis refuses writes
+            log.warning(kv("frame_refused", camera=camera, error=exc))
+            self._drop(camera, "redis_refused")
+        except ValueError as exc:
+            log.warning(kv("frame_unencodable", camera=camera, error=exc))
+            self._drop(camera, "encode_failed")
+        with self._cond:
+            self._sending = 0
 
     def _send(self, item: Outgoing) -> None:
         jpeg, fields = encode_entry(item, self.cfg)
-        image_key = f"{self.cfg.image_prefix}{uuid.uuid4().hex}"
+        uid = self.frame_uid(item.frame)
+        fields["frame_uid"] = uid
+        image_key = f"{self.cfg.image_prefix}{uid}"
         fields["image"] = image_key
         args: list[Any] = [jpeg, self.cfg.image_ttl_s, self.cfg.maxlen, self.cfg.group]
+        args += [self._dedupe_ttl, self.run_id, self.pending()]
         for key, value in fields.items():
             args += [key, value]
-        entry_id, trimmed = self._enqueue(
-            keys=[self.cfg.frames_stream, image_key, self.cfg.stats_key], args=args
-        )
+        keys = [
+            self.cfg.frames_stream,
+            image_key,
+            self.cfg.stats_key,
+            f"{self.cfg.dedupe_prefix}{uid}",
+            self.record_key,
+        ]
+        entry_id, trimmed, duplicate = self._enqueue(keys=keys, args=args)
+        self._reached_redis()
         camera = item.frame.camera_id
         if not entry_id:
-            self._on_drop(camera, "queue_full")
+            self._drop(camera, "queue_full")
             return
         self.enqueued += 1
         metrics.FRAMES_ENQUEUED.labels(camera).inc()
+        if duplicate:  # the reply to an earlier try was lost: that try enqueued it
+            self.duplicates += 1
+            metrics.ENQUEUE_DUPLICATES.inc()
+            log.info(kv("frame_already_enqueued", camera=camera, uid=uid, id=_s(entry_id)))
+            return
         if trimmed:
             self.trimmed += int(trimmed)
             metrics.QUEUE_TRIMMED.inc(int(trimmed))
         log.debug(
-            kv("frame_enqueued", camera=camera, id=entry_id.decode(), persons=len(item.detections))
+            kv("frame_enqueued", camera=camera, id=_s(entry_id), persons=len(item.detections))
         )

@@ -5,11 +5,14 @@ Why the SDK and a data URL: the describers must work against any OpenAI-compatib
 requests carry ``priority`` (``batch`` by default) in ``extra_body``, so a server that
 schedules by priority serves interactive chat first.
 
-Failures are sorted into two kinds, because they need opposite handling:
-``EndpointUnavailable`` (connection refused, timeout, 408/409/429, 5xx, and 401/403/404,
-which are the endpoint's configuration, not the frame's fault) -- the frame waits and is
-retried; ``FrameRejected`` (other 4xx, an empty answer) -- retrying cannot help, the frame
-goes to the dead letters.
+Failures are sorted into three kinds, because they need different handling:
+``EndpointUnavailable`` (connection refused, timeout, 408/409/429, 502/503/504, and
+401/403/404, which are the endpoint's configuration, not the frame's fault) -- an outage: the
+frame waits and is retried until it expires; ``ServerError`` (500 and the other 5xx) -- the
+endpoint answers but failed on this frame: retried ``describer.max_failures`` times, then
+dead-lettered, because a frame that breaks the server would otherwise be retried until it
+expires; ``FrameRejected`` (other 4xx, an empty answer) -- retrying cannot help, the frame
+goes to the dead letters at once.
 """
 
 from __future__ import annotations
@@ -33,11 +36,16 @@ class EndpointUnavailable(Exception):
     """The endpoint cannot answer now; the frame should wait and be retried."""
 
 
+class ServerError(Exception):
+    """The endpoint answered this frame with a server error; a few retries, then give up."""
+
+
 class FrameRejected(Exception):
     """The endpoint refused this frame; retrying will not help."""
 
 
-RETRYABLE_STATUS = {401, 403, 404, 408, 409, 429}
+# statuses that say the endpoint (or the way to it) is down or misconfigured, not the frame
+OUTAGE_STATUS = {401, 403, 404, 408, 409, 429, 502, 503, 504}
 
 
 def build_prompt(base: str, fields: dict[str, str]) -> str:
@@ -149,10 +157,11 @@ class VLMClient:
             raise EndpointUnavailable(f"{type(exc).__name__}: {exc}") from exc
         except openai.APIStatusError as exc:
             status = exc.status_code
-            if status >= 500 or status in RETRYABLE_STATUS:
-                metrics.VLM_ERRORS.labels(f"http_{status}").inc()
-                raise EndpointUnavailable(f"HTTP {status}: {exc.message}") from exc
             metrics.VLM_ERRORS.labels(f"http_{status}").inc()
+            if status in OUTAGE_STATUS:
+                raise EndpointUnavailable(f"HTTP {status}: {exc.message}") from exc
+            if status >= 500:
+                raise ServerError(f"HTTP {status}: {exc.message}") from exc
             raise FrameRejected(f"HTTP {status}: {exc.message}") from exc
         finally:
             metrics.VLM_SECONDS.observe(time.monotonic() - started)

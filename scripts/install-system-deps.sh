@@ -12,6 +12,9 @@
 #   gstreamer1.0-libav                extra decoders (mp4/h264 sources)
 #   gstreamer1.0-tools                gst-launch-1.0 / gst-inspect-1.0, for debugging
 #   g++                               compiles engine/kernels (the fused CPU decode step)
+#   mosquitto                         MQTT broker the notifier tests start (mosquitto_passwd too)
+#   mosquitto-clients                 mosquitto_sub: the compose broker's healthcheck, run in a test
+#   chromium                          headless browser for the events page test (tests/events)
 #
 # Idempotent: when every package is already installed it does nothing (no apt-get update).
 set -euo pipefail
@@ -29,6 +32,9 @@ PACKAGES=(
   gstreamer1.0-libav
   gstreamer1.0-tools
   g++
+  mosquitto
+  mosquitto-clients
+  chromium
 )
 
 missing=()

@@ -62,6 +62,14 @@ class ServerSettings(BaseSettings):
     # One JSON line per finished request on the ``vision_serve.requests`` logger.
     log_requests: bool = True
 
+    @field_validator("api_key")
+    @classmethod
+    def _key_not_blank(cls, v: str | None) -> str | None:
+        """An empty key would accept any ``Bearer`` header: refuse it rather than guess."""
+        if v is not None and not v.strip():
+            raise ValueError("api_key is empty; omit it to serve without authentication")
+        return v
+
     @field_validator("served_model_name", "allowed_media_domains", mode="before")
     @classmethod
     def _split_lists(cls, v: object) -> object:

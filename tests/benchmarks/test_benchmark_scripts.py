@@ -34,6 +34,7 @@ def results(tmp_path) -> Path:
     return tmp_path / "results"
 
 
+@pytest.mark.slow
 def test_offline_throughput_script(tiny_qwen2_vl, results):
     _run(
         "benchmarks.offline_throughput",
@@ -46,6 +47,7 @@ def test_offline_throughput_script(tiny_qwen2_vl, results):
     assert data["ours"]["generated_tokens"] == 8 and data["throughput_ratio"] > 0
 
 
+@pytest.mark.slow
 def test_serve_mixed_script(tiny_qwen2_vl, results):
     _run(
         "benchmarks.serve_mixed",
@@ -66,6 +68,7 @@ def test_serve_mixed_script(tiny_qwen2_vl, results):
     assert (results / "m_itl_timeline.png").exists() and (results / "m_itl_cdf.png").exists()
 
 
+@pytest.mark.slow
 def test_roofline_script(tiny_qwen2_vl, results):
     _run(
         "benchmarks.roofline",
@@ -77,6 +80,7 @@ def test_roofline_script(tiny_qwen2_vl, results):
     assert data["prefill_mfu"] > 0 and set(data["decode"]) == {"1", "2"}
 
 
+@pytest.mark.slow
 def test_vision_tower_script(tiny_qwen2_vl, results):
     _run(
         "benchmarks.vision_tower",
@@ -87,6 +91,7 @@ def test_vision_tower_script(tiny_qwen2_vl, results):
     assert json.loads((results / "v.json").read_text())["qwen2_vl"]["patches"] > 0
 
 
+@pytest.mark.slow
 def test_chunking_overhead_script(tiny_qwen2_vl, results):
     _run(
         "benchmarks.chunking_overhead",
@@ -100,6 +105,7 @@ def test_chunking_overhead_script(tiny_qwen2_vl, results):
     assert set(data["ratios"]) == {"text", "frame"}
 
 
+@pytest.mark.slow
 def test_interactive_first_script(tiny_qwen2_vl, results):
     _run(
         "benchmarks.interactive_first",

@@ -14,19 +14,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import cv2
-import numpy as np
 import pytest
 from pipeline_helpers import (
-    FRAME_SIZE,
     REPO,
     RedisServer,
     RtspServer,
     VLMDouble,
+    build_config,
     free_port,
     kill_group,
-    people_images,
     wait_until,
+    write_video_file,
+    write_video_frames,
 )
 
 
@@ -43,25 +42,13 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 @pytest.fixture(scope="session")
 def video_frames(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder of numbered JPEGs: people (bus, zidane) alternating with empty grey frames."""
-    out = tmp_path_factory.mktemp("frames")
-    bus, zidane = people_images()
-    blank = np.full((FRAME_SIZE[1], FRAME_SIZE[0], 3), 96, np.uint8)
-    for i, image in enumerate([bus, blank, zidane, blank]):
-        cv2.imwrite(str(out / f"frame_{i:05d}.jpg"), image)
-    return out
+    return write_video_frames(tmp_path_factory.mktemp("frames"))
 
 
 @pytest.fixture(scope="session")
 def video_file(video_frames: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same frames as an MP4 file source (5 fps, 4 s), written with OpenCV."""
-    path = tmp_path_factory.mktemp("video") / "people.mp4"
-    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 5.0, FRAME_SIZE)
-    frames = [cv2.imread(str(p)) for p in sorted(video_frames.glob("*.jpg"))]
-    for _ in range(5):
-        for frame in frames:
-            writer.write(frame)
-    writer.release()
-    return path
+    return write_video_file(video_frames, tmp_path_factory.mktemp("video") / "people.mp4")
 
 
 @pytest.fixture
@@ -136,33 +123,6 @@ def vlm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture
-def make_config(tmp_path: Path) -> Any:
+def make_config() -> Any:
     """Build a validated PipelineConfig from overrides (test-sized bounds and timings)."""
-    from pipelines.config import parse_config
-
-    def build(redis_url: str, **sections: Any) -> Any:
-        data: dict[str, Any] = {
-            "redis_url": redis_url,
-            "detector": {"weights": "yolo26n.yaml", "imgsz": 320},
-            "ingest": {"open_timeout_s": 5, "read_timeout_s": 3, "backoff_max_s": 2},
-            "describer": {
-                "model": "tiny",
-                "timeout_s": 10,
-                "retries": 0,
-                "block_ms": 200,
-                "claim_idle_s": 2,
-                "claim_interval_s": 0.5,
-                "backoff_initial_s": 0.1,
-                "backoff_max_s": 0.5,
-                "shutdown_grace_s": 3,
-            },
-            "metrics": {"pipeline_port": 0, "describe_port": 0},
-        }
-        for key, value in sections.items():
-            if isinstance(value, dict) and isinstance(data.get(key), dict):
-                data[key] = {**data[key], **value}
-            else:
-                data[key] = value
-        return parse_config(data, "test")
-
-    return build
+    return build_config

@@ -17,9 +17,12 @@ import socket
 import subprocess
 import threading
 import time
+from collections import Counter
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, urlencode
 
 import pytest
 
@@ -69,25 +72,83 @@ def kill_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float
 
 
 # --- Redis ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files for a TLS redis-server: its certificate and key, and the CA that signed it."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+
 class RedisServer:
-    """A private redis-server with AOF (appendfsync always) that tests may kill and restart."""
+    """A private redis-server with AOF (appendfsync always) that tests may kill and restart.
+
+    By default it needs no password. ``password`` alone sets the default user's password
+    (``requirepass``); with ``user`` too, that ACL user (rules ``acl``) is the only one and the
+    default user is off. ``tls`` serves TLS only (``rediss://``; clients need no certificate).
+    ``url`` carries whatever a client needs to get in.
+    """
 
     FSYNC_POLICY = "always"
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        password: str | None = None,
+        user: str | None = None,
+        acl: str = "~* &* +@all",
+        tls: TlsFiles | None = None,
+    ) -> None:
         if shutil.which("redis-server") is None:
             pytest.skip("redis-server not installed: run scripts/install-system-deps.sh")
+        if user is not None and password is None:
+            raise ValueError("an ACL user needs a password")
         self.dir = workdir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.password = password
+        self.user = user
+        self.acl = acl
+        self.tls = tls
+        self.url = self._url()
         self.proc: subprocess.Popen | None = None
+
+    def _url(self) -> str:
+        auth = ""
+        if self.password is not None:
+            auth = f"{quote(self.user or '', safe='')}:{quote(self.password, safe='')}@"
+        if self.tls is None:
+            return f"redis://{auth}127.0.0.1:{self.port}/0"
+        query = urlencode({"ssl_cert_reqs": "required", "ssl_ca_certs": str(self.tls.ca)})
+        return f"rediss://{auth}127.0.0.1:{self.port}/0?{query}"
+
+    def _auth_args(self) -> list[str]:
+        if self.password is None:
+            return []
+        if self.user is None:
+            return ["--requirepass", self.password]
+        return ["--user", self.user, "on", f">{self.password}", *self.acl.split(),
+                "--user", "default", "off"]  # fmt: skip
+
+    def _port_args(self) -> list[str]:
+        if self.tls is None:
+            return ["--port", str(self.port)]
+        return [
+            "--port", "0",
+            "--tls-port", str(self.port),
+            "--tls-cert-file", str(self.tls.cert),
+            "--tls-key-file", str(self.tls.key),
+            "--tls-ca-cert-file", str(self.tls.ca),
+            "--tls-auth-clients", "no",
+        ]  # fmt: skip
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [
                 "redis-server",
-                "--port", str(self.port),
+                *self._port_args(),
                 "--bind", "127.0.0.1",
                 "--dir", str(self.dir),
                 "--appendonly", "yes",
@@ -95,6 +156,7 @@ class RedisServer:
                 "--save", "",
                 "--protected-mode", "no",
                 "--logfile", str(self.dir / "redis.log"),
+                *self._auth_args(),
             ],
             start_new_session=True,
             stdout=subprocess.DEVNULL,
@@ -108,6 +170,8 @@ class RedisServer:
             try:
                 # loading the AOF answers -LOADING: wait until the data is back
                 return bool(client.ping()) and client.info("persistence")["loading"] == 0
+            except redis.exceptions.NoPermissionError:  # an ACL user without INFO: PING must do
+                return True
             except (redis.ConnectionError, redis.BusyLoadingError):
                 return False
 
@@ -207,10 +271,21 @@ class VLMDouble:
         self.status = 200
         self.requests: list[dict[str, Any]] = []
         self.lock = threading.Lock()
+        self.connections: set[socket.socket] = set()
         double = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+
+            def setup(self) -> None:
+                super().setup()
+                with double.lock:
+                    double.connections.add(self.connection)
+
+            def finish(self) -> None:
+                with double.lock:
+                    double.connections.discard(self.connection)
+                super().finish()
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -262,8 +337,14 @@ class VLMDouble:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        """Stop like a killed server: the port closes and open (keep-alive) connections drop."""
         self.server.shutdown()
         self.server.server_close()
+        with self.lock:
+            open_connections = list(self.connections)
+        for conn in open_connections:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
 
 
 # --- configs -------------------------------------------------------------------------------
@@ -341,3 +422,63 @@ def descriptions(client: redis.Redis, queue_cfg: Any) -> list[dict[str, str]]:
 
 def pending_count(client: redis.Redis, queue_cfg: Any) -> int:
     return int(client.xpending(queue_cfg.frames_stream, queue_cfg.group)["pending"])
+
+
+def described_per_frame(client: redis.Redis, queue_cfg: Any) -> Counter[str]:
+    """How many results (descriptions and dead letters) each ``frame_uid`` got: 1 each."""
+    seen: Counter[str] = Counter()
+    for stream in (queue_cfg.descriptions_stream, queue_cfg.dead_letter_stream):
+        for _id, fields in client.xrange(stream):
+            seen[fields.get(b"frame_uid", fields[b"frame_id"]).decode()] += 1
+    return seen
+
+
+# --- shared with tests/reliability (which imports this module as tests.pipelines.*) ---------
+def build_config(redis_url: str, **sections: Any) -> Any:
+    """A validated PipelineConfig with test-sized bounds and timings; ``sections`` override
+    (a dict merges into the section's defaults here, anything else replaces it)."""
+    from pipelines.config import parse_config
+
+    data: dict[str, Any] = {
+        "redis_url": redis_url,
+        "detector": {"weights": "yolo26n.yaml", "imgsz": 320},
+        "ingest": {"open_timeout_s": 5, "read_timeout_s": 3, "backoff_max_s": 2},
+        "describer": {
+            "model": "tiny",
+            "timeout_s": 10,
+            "retries": 0,
+            "block_ms": 200,
+            "claim_idle_s": 2,
+            "claim_interval_s": 0.5,
+            "backoff_initial_s": 0.1,
+            "backoff_max_s": 0.5,
+            "shutdown_grace_s": 3,
+        },
+        "metrics": {"pipeline_port": 0, "describe_port": 0},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    return parse_config(data, "test")
+
+
+def write_video_frames(out: Path) -> Path:
+    """A folder of numbered JPEGs: people (bus, zidane) alternating with empty grey frames."""
+    bus, zidane = people_images()
+    blank = np.full((FRAME_SIZE[1], FRAME_SIZE[0], 3), 96, np.uint8)
+    for i, image in enumerate([bus, blank, zidane, blank]):
+        cv2.imwrite(str(out / f"frame_{i:05d}.jpg"), image)
+    return out
+
+
+def write_video_file(frames: Path, path: Path) -> Path:
+    """``frames`` as an MP4 file source (5 fps, 4 s), written with OpenCV."""
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 5.0, FRAME_SIZE)
+    images = [cv2.imread(str(p)) for p in sorted(frames.glob("*.jpg"))]
+    for _ in range(5):
+        for image in images:
+            writer.write(image)
+    writer.release()
+    return path

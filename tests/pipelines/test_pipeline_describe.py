@@ -30,7 +30,7 @@ from pipeline_helpers import (
 )
 
 from pipelines import metrics
-from pipelines.queue import COMMIT_LUA, read_stats
+from pipelines.queue import COMMIT_LUA, accounting, read_stats
 from pipelines.vlm import fit_frame, fit_size
 
 pytestmark = pytest.mark.timeout(90)
@@ -175,6 +175,7 @@ def test_a_killed_describer_loses_nothing_and_nothing_is_described_twice(
     assert worker.describer.counts["reclaimed"] == 4
     stats = read_stats(client, config_b.queue)
     assert stats["described"] == 6 and "duplicate_discarded" not in stats
+    assert accounting(client, config_b.queue)["holds"]
 
 
 def test_commit_is_gated_on_the_acknowledgement(redis_server, make_config):
@@ -186,7 +187,7 @@ def test_commit_is_gated_on_the_acknowledgement(redis_server, make_config):
     client.xreadgroup(q.group, "slow", {q.frames_stream: ">"}, count=1)
     client.xclaim(q.frames_stream, q.group, "fast", 0, [entry_id])
     commit = client.register_script(COMMIT_LUA)
-    keys = [q.frames_stream, q.descriptions_stream, f"{q.latest_prefix}cam", q.stats_key, ""]
+    keys = [q.frames_stream, q.descriptions_stream, f"{q.latest_prefix}cam", q.stats_key]
     results = [
         commit(keys=keys, args=[q.group, entry_id, "described", "described", 100, "text", who])
         for who in ("fast", "slow")
@@ -220,6 +221,29 @@ def test_frames_delivered_too_often_go_to_the_dead_letter_stream(
     assert read_stats(client, q)["dead:max_deliveries"] == 1
 
 
+def test_a_pending_frame_deleted_from_the_stream_is_counted_dead(
+    redis_server, vlm_double, make_config
+):
+    config = make_config(
+        redis_server.url, describer={"base_url": vlm_double.base_url, "claim_idle_s": 0.3}
+    )
+    q = config.queue
+    [entry_id] = enqueue_frames(redis_server.url, q, 1)
+    client = redis_server.client()
+    client.xreadgroup(q.group, "crashed", {q.frames_stream: ">"}, count=1)
+    client.xdel(q.frames_stream, entry_id)  # not our trimming: someone else's XDEL
+    time.sleep(0.4)
+    worker = DescriberThread(config, "w1").start()
+    try:
+        wait_until(lambda: client.xlen(q.dead_letter_stream) == 1, 10, what="dead letter")
+    finally:
+        worker.stop()
+    [(_id, dead)] = client.xrange(q.dead_letter_stream)
+    assert dead[b"frame_id"].decode() == entry_id and dead[b"reason"] == b"trimmed_pending"
+    assert read_stats(client, q)["dead:trimmed_pending"] == 1
+    assert accounting(client, q)["holds"] and pending_count(client, q) == 0
+
+
 def test_a_frame_the_endpoint_rejects_is_dead_lettered(redis_server, vlm_double, make_config):
     vlm_double.status = 400
     config = make_config(redis_server.url, describer={"base_url": vlm_double.base_url})
@@ -233,6 +257,57 @@ def test_a_frame_the_endpoint_rejects_is_dead_lettered(redis_server, vlm_double,
     [(_id, dead)] = client.xrange(config.queue.dead_letter_stream)
     assert dead[b"reason"] == b"rejected" and b"HTTP 400" in dead[b"detail"]
     assert len(vlm_double.requests) == 1  # not retried
+
+
+def test_a_frame_that_keeps_getting_500_is_dead_lettered_and_later_frames_are_described(
+    redis_server, vlm_double, make_config
+):
+    vlm_double.status = 500
+    config = make_config(
+        redis_server.url, describer={"base_url": vlm_double.base_url, "max_failures": 3}
+    )
+    q = config.queue
+    client = redis_server.client()
+    [entry_id] = enqueue_frames(redis_server.url, q, 1)
+    worker = DescriberThread(config, "w1").start()
+    try:
+        started = time.monotonic()
+        wait_until(lambda: client.xlen(q.dead_letter_stream) == 1, 10, what="dead letter")
+        assert time.monotonic() - started < 5  # 3 tries with backoff, not until max age (60 s)
+        assert len(vlm_double.requests) == 3
+        [(_id, dead)] = client.xrange(q.dead_letter_stream)
+        assert dead[b"frame_id"].decode() == entry_id and dead[b"reason"] == b"server_error"
+        assert b"HTTP 500" in dead[b"detail"]
+        vlm_double.status = 200
+        [good] = enqueue_frames(redis_server.url, q, 1)
+        wait_until(lambda: len(descriptions(client, q)) == 1, 10, what="described")
+    finally:
+        worker.stop()
+    assert descriptions(client, q)[0]["frame_id"] == good
+    stats = read_stats(client, q)
+    assert stats["dead:server_error"] == 1 and stats["described"] == 1
+    assert accounting(client, q)["holds"] and pending_count(client, q) == 0
+
+
+def test_a_503_is_an_outage_the_frame_waits_for_not_a_frame_failure(
+    redis_server, vlm_double, make_config
+):
+    vlm_double.status = 503
+    config = make_config(
+        redis_server.url, describer={"base_url": vlm_double.base_url, "max_failures": 1}
+    )
+    q = config.queue
+    client = redis_server.client()
+    enqueue_frames(redis_server.url, q, 1)
+    worker = DescriberThread(config, "w1").start()
+    try:
+        wait_until(lambda: len(vlm_double.requests) >= 3, 10, what="3 tries")
+        assert not worker.describer.endpoint_ok and client.xlen(q.dead_letter_stream) == 0
+        vlm_double.status = 200
+        wait_until(lambda: len(descriptions(client, q)) == 1, 10, what="described")
+    finally:
+        worker.stop()
+    assert accounting(client, q)["holds"]
 
 
 def test_endpoint_down_frames_wait_then_expire_counted_and_work_resumes(

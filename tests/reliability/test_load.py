@@ -33,7 +33,7 @@ from tests.server.support import (
 )
 from vision_serve.settings import ServerSettings
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 CLIENTS = 64
 DURATION_S = float(os.environ.get("LOAD_SECONDS", "30"))

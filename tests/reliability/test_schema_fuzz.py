@@ -23,7 +23,7 @@ from schemathesis.generation import GenerationMode
 from tests.server.support import ServerHandle, engine_is_idle, make_engine, start_server, wait_for
 from vision_serve.settings import ServerSettings
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 FUZZ_EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "100"))
 UNSUPPORTED = (

@@ -120,3 +120,13 @@ def test_serve_command_runs_a_real_server_configured_from_the_environment(checkp
     lines = [json.loads(line.split(" ", 4)[4]) for line in log_path.read_text().splitlines()
              if " vision_serve.requests " in line]  # fmt: skip
     assert [line["id"] for line in lines] == [resp.id.removeprefix("chatcmpl-")]
+
+
+def test_an_empty_api_key_is_refused_not_treated_as_a_key():
+    """An empty key would let any ``Authorization: Bearer`` header in."""
+    import pydantic
+
+    from vision_serve.settings import ServerSettings
+
+    with pytest.raises(pydantic.ValidationError, match="api_key is empty"):
+        ServerSettings(api_key=" ")
