@@ -262,6 +262,7 @@ def calibration_key(engine: LLMEngine) -> str:
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "config": (engine.model_dir / "config.json").read_text(),
         "dtype": str(engine.dtype),
+        "quantization": args.quantization,
         "fused_decode_rows": engine.runner.fused_decode_rows,
         "encoder_rows_per_item": engine.runner.encoder_rows_per_item,
         "block_size": args.block_size,

@@ -58,8 +58,14 @@ class EngineArgs:
     max_pixels: int | None = None
     min_pixels: int | None = None
     cpu_kernels: bool = True  # bf16 CPU: native decode step and prefill attention (engine/kernels)
+    # weight-only quantization of the decoder's linears (vLLM's flag); None: weights as loaded
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization in ("", "none", "None"):
+            self.quantization = None
+        if self.quantization is not None and self.quantization not in ("int8",):
+            raise ValueError(f"quantization must be 'int8' (or unset); got {self.quantization!r}")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
@@ -146,6 +152,8 @@ HELP = {
     "preprocess_workers": "threads decoding and preprocessing images off the step loop",
     "max_pixels": "most pixels an image is resized to (fewer image tokens; default: checkpoint's)",
     "min_pixels": "fewest pixels an image is resized to (default: the checkpoint's)",
+    "quantization": "int8: decoder linears as int8 weights with per-channel scales, computed "
+    "in fp32 (CPU; a quarter of fp32's bytes per decode step)",
     "cpu_kernels": "bf16 CPU: decode-only steps as one native call, prefill and vision attention "
     "in a native flash kernel (built on first use; PyTorch where they cannot run)",
 }

@@ -53,7 +53,11 @@ class LLMEngine:
         self.model_dir = Path(args.model)
         self.model_name = self.model_dir.name
         self.model, self.hf_config, self.architecture = load_model(
-            self.model_dir, self.dtype, self.device, cpu_kernels=args.cpu_kernels
+            self.model_dir,
+            self.dtype,
+            self.device,
+            cpu_kernels=args.cpu_kernels,
+            quantization=args.quantization,
         )
         self.processor = InputProcessor(
             self.model_dir, self.hf_config, min_pixels=args.min_pixels, max_pixels=args.max_pixels

@@ -5,7 +5,9 @@
 #   2. ask the engine about a real photo from the terminal;
 #   3. run the camera stack for ~DEMO_SECONDS: redis (AOF) + `vision-serve serve` + a looping
 #      camera video (people and empty frames) -> `vision-serve pipeline` (YOLO26, gate, Redis
-#      Streams) -> `vision-serve describe` (OpenAI SDK, priority=batch) -> descriptions in Redis.
+#      Streams) -> `vision-serve describe` (OpenAI SDK, priority=batch) -> descriptions in Redis
+#      -> `vision-serve ui` (SQLite event store, events page). The demo ends by printing the
+#      events page's URL; from a terminal the page stays up until Ctrl-C.
 # PRESET=bench for the realistic-size model.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +35,7 @@ cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 
 trap cleanup EXIT
 REDIS_PORT=${REDIS_PORT:-6390}
 VLM_PORT=${VLM_PORT:-8011}
+UI_PORT=${UI_PORT:-8012}
 redis-server --port "$REDIS_PORT" --dir "$WORK" --appendonly yes --appendfsync always \
   --save "" --daemonize no >"$WORK/redis.log" 2>&1 &
 pids+=($!)
@@ -54,12 +57,18 @@ detector: {weights: yolo26n.yaml, imgsz: 320}   # untrained offline build: it fi
 gate: {min_persons: 0, cooldown_s: 4}            # so the demo gate sends frames regardless
 describer: {base_url: "http://127.0.0.1:$VLM_PORT/v1", model: demo, max_tokens: 24, concurrency: 2}
 metrics: {pipeline_port: 0, describe_port: 0}
+events: {data_dir: $WORK/events}
+ui: {port: $UI_PORT}
 YAML
 for _ in $(seq 120); do curl -sf "http://127.0.0.1:$VLM_PORT/health" >/dev/null && break; sleep 1; done
 vision-serve pipeline --config "$WORK/cameras.yaml" >"$WORK/pipeline.log" 2>&1 &
 pids+=($!)
 vision-serve describe --config "$WORK/cameras.yaml" >"$WORK/describe.log" 2>&1 &
 pids+=($!)
+# the events page (loopback, so no key needed): stores every description as an event
+vision-serve ui --config "$WORK/cameras.yaml" >"$WORK/ui.log" 2>&1 &
+ui_pid=$!
+pids+=($ui_pid)
 sleep "$DEMO_SECONDS"
 echo "== descriptions stored in Redis (stream vs:descriptions) =="
 python - "$REDIS_PORT" <<'PY'
@@ -70,4 +79,22 @@ for _id, fields in entries[-5:]:
     print({k: (v[:80] if isinstance(v, str) else v) for k, v in fields.items()})
 print(f"{len(entries)} descriptions; stats: {r.hgetall('vs:stats')}")
 PY
+python - "$UI_PORT" <<'PY'
+import json, sys, time, urllib.request
+url = f"http://127.0.0.1:{sys.argv[1]}/api/events?limit=200"
+for _ in range(20):  # the ui stores what the describers wrote within a second or two
+    events = json.load(urllib.request.urlopen(url, timeout=5))["data"]
+    if events:
+        break
+    time.sleep(0.5)
+print(f"{len(events)} events in the event store; newest: {events[0]['text'][:80]!r}" if events
+      else "no events stored yet")
+PY
 echo "logs in $WORK"
+echo "== events page: http://127.0.0.1:$UI_PORT/ =="
+if [ -t 0 ] && [ -t 1 ]; then
+  # keep only the page up: the camera stack stops, its events stay browsable
+  for p in "${pids[@]}"; do [ "$p" = "$ui_pid" ] || kill "$p" 2>/dev/null || true; done
+  echo "(serving the demo's events until Ctrl-C; later: vision-serve ui --config $WORK/cameras.yaml)"
+  wait "$ui_pid" || true
+fi

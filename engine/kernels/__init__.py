@@ -91,6 +91,42 @@ def load_cpu_decode() -> ModuleType | None:
     return module
 
 
+INT8_SOURCE = Path(__file__).with_name("int8_linear.cpp")
+INT8_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+
+
+def cpu_supports_avx2() -> bool:
+    return _cpu_probe("_is_avx2_supported")
+
+
+@functools.cache
+def load_int8_linear() -> ModuleType | None:
+    """The AVX2 weight-only int8 GEMV (``int8_linear.cpp``), or ``None`` where it cannot run:
+    :class:`engine.layers.quantized.Int8Linear` then dequantizes with PyTorch ops (same
+    numbers, slower)."""
+    if os.environ.get(DISABLE_ENV, "").lower() in ("1", "true", "yes"):
+        return None
+    if not cpu_supports_avx2():
+        log.info("int8 kernel skipped: this CPU has no AVX2")
+        return None
+    from torch.utils.cpp_extension import load
+
+    t0 = time.perf_counter()
+    try:
+        module = load(
+            name="vision_serve_int8_linear",
+            sources=[str(INT8_SOURCE)],
+            extra_cflags=INT8_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:
+        log.warning("int8 kernel unavailable, dequantizing with PyTorch: %s", exc)
+        return None
+    log.info("int8 kernel ready in %.1f s", time.perf_counter() - t0)
+    return module
+
+
 VARIANTS = {"native-bf16": ["-mavx512bf16"], "emulated-bf16": []}
 
 

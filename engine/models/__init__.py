@@ -15,6 +15,7 @@ from engine.device import cpu_has_fast_bf16
 from engine.errors import UnsupportedModelError
 from engine.kernels import load_cpu_decode
 from engine.layers.linear import cpu_packing_available, pack_linears
+from engine.layers.quantized import quantize_linears
 
 log = logging.getLogger("engine.models")
 
@@ -68,6 +69,7 @@ def load_model(
     device: torch.device,
     pack_cpu_weights: bool = True,
     cpu_kernels: bool = True,
+    quantization: str | None = None,
 ):
     """Build the model for ``model_dir``'s architecture and load its weights by tensor name."""
     from transformers import AutoConfig
@@ -90,6 +92,10 @@ def load_model(
     model.visual = visual
     model.load_weights(iter_safetensors(model_dir))
     model.eval()
+    if quantization is not None:
+        if device.type != "cpu":
+            raise ValueError(f"--quantization {quantization} runs on CPU only for now")
+        cpu_kernels = False  # the fused decode step reads 16-bit weights; int8 runs eager
     cpu_linears = device.type == "cpu" and pack_cpu_weights and cpu_packing_available(dtype)
     # bf16 on a CPU without bf16 arithmetic: linears keep bf16 weights and widen them for
     # prefill-sized products (engine.layers.linear.UpcastLinear)
@@ -110,7 +116,11 @@ def load_model(
         # the vision tower's linears run once per 64-row work item: F.linear would re-lay-out
         # (or, emulated, run at a fifth of the fp32 rate) each bf16 weight every time
         log.info("replaced %d vision linears for the CPU", pack_linears(visual))
-    if cpu_linears:
+    if quantization == "int8":
+        # the head too: on small models it is a quarter of the weight bytes a step reads
+        replaced = quantize_linears(model, skip_prefixes=("visual",))
+        log.info("replaced %d decoder linears (weight-only int8)", replaced)
+    elif cpu_linears:
         if model.tie_word_embeddings and not emulated_bf16:
             # the packed head must not alias the embedding table
             model.lm_head.weight = torch.nn.Parameter(model.embed_tokens.weight.detach().clone())

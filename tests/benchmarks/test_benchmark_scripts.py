@@ -119,3 +119,16 @@ def test_interactive_first_script(tiny_qwen2_vl, results):
     assert len(data["ttft_with_frames"]["ttft_s"]) == 2 and data["ttft_ratio"] > 0
     assert data["frames_alone"]["frames_per_min"] > 0
     assert data["frames_under_chat"]["frames_per_min"] > 0
+
+
+@pytest.mark.slow
+def test_int8_script(tiny_qwen2_vl, results):
+    _run(
+        "benchmarks.int8",
+        "--model", str(tiny_qwen2_vl), "--steps", "2", "--prompts", "2", "--max-tokens", "4",
+        "--batches", "1", "2",
+        results=results,
+    )  # fmt: skip
+    data = json.loads((results / "int8.json").read_text())
+    assert data["int8"]["weight_mb_per_step"] < data["baseline"]["weight_mb_per_step"]
+    assert 0 <= data["agreement"]["token_agreement"] <= 1
