@@ -178,6 +178,11 @@ class DescriberConfig(Section):
     retries: int = Field(2, ge=0, le=10, description="SDK retries per attempt")
     concurrency: int = Field(4, ge=1, le=256)
     priority: str | int | None = Field("batch", description="sent as extra_body priority")
+    send_deadline: bool = Field(
+        True,
+        description="send the frame's remaining age as extra_body max_queue_seconds, so the "
+        "server drops it unstarted once stale (vision-serve and vLLM-style servers accept it)",
+    )
     block_ms: int = Field(1000, ge=10, le=60000)
     claim_idle_s: float = Field(30.0, gt=0, description="pending this long = worker is dead")
     claim_interval_s: float = Field(5.0, gt=0)

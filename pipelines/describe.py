@@ -372,7 +372,8 @@ class Describer:
         failures = 0
         while True:
             try:
-                text, info = await self.vlm.describe(jpeg, prompt)
+                deadline = ts + self.q.max_frame_age_s - time.time()
+                text, info = await self.vlm.describe(jpeg, prompt, deadline)
                 break
             except EndpointUnavailable as exc:
                 self._endpoint_failed(exc)

@@ -131,10 +131,18 @@ class VLMClient:
             max_retries=cfg.retries,
         )
 
-    async def describe(self, jpeg: bytes, prompt: str) -> tuple[str, dict[str, Any]]:
-        """The description text and request facts (model, tokens, seconds)."""
+    async def describe(
+        self, jpeg: bytes, prompt: str, deadline_s: float | None = None
+    ) -> tuple[str, dict[str, Any]]:
+        """The description text and request facts (model, tokens, seconds). ``deadline_s``:
+        seconds the server may keep the frame waiting before it is stale (sent when
+        ``send_deadline``); the server then answers 408 instead of describing it late."""
         url = "data:image/jpeg;base64," + base64.b64encode(jpeg).decode("ascii")
-        extra_body = {} if self.cfg.priority is None else {"priority": self.cfg.priority}
+        extra_body: dict[str, Any] = {}
+        if self.cfg.priority is not None:
+            extra_body["priority"] = self.cfg.priority
+        if self.cfg.send_deadline and deadline_s is not None:
+            extra_body["max_queue_seconds"] = round(max(deadline_s, 0.001), 3)
         started = time.monotonic()
         try:
             response = await self.client.chat.completions.create(

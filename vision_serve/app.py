@@ -106,7 +106,10 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         yield
         await media.aclose()
 
-    app = FastAPI(title="vision-serve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # the schema is served below, behind the same key as /v1 (it lists every route and field)
+    app = FastAPI(
+        title="vision-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.engine = engine
     app.state.settings = settings
     app.state.metrics = metrics
@@ -130,6 +133,14 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         return ModelList(data=[ModelCard(id=name, max_model_len=max_len) for name in served])
 
     app.include_router(v1)
+
+    @app.get(
+        "/openapi.json",
+        include_in_schema=False,
+        dependencies=[Depends(_auth_dependency(settings.api_key))],
+    )
+    async def openapi_schema() -> JSONResponse:
+        return JSONResponse(app.openapi())
 
     @app.get("/health")
     async def health() -> Response:

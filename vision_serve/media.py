@@ -19,6 +19,8 @@ import asyncio
 import base64
 import binascii
 import io
+import ipaddress
+import stat
 import struct
 import urllib.parse
 from pathlib import Path
@@ -104,7 +106,8 @@ class MediaLoader:
         if scheme in ("http", "https"):
             return await self._fetch(url, param)
         if scheme == "file":
-            return self._read_local(url, param)
+            # a thread: a slow disk or network mount must not stall the event loop
+            return await asyncio.to_thread(self._read_local, url, param)
         raise bad_request(
             "image_url must be a data: URL, an allowed http(s) URL or an allowed file:// URL",
             param=param,
@@ -144,7 +147,12 @@ class MediaLoader:
         )
 
     async def _fetch(self, url: str, param: str) -> bytes:
-        host = urllib.parse.urlsplit(url).hostname or ""
+        try:
+            host = urllib.parse.urlsplit(url).hostname or ""
+        except ValueError:
+            raise bad_request(
+                "malformed image URL", param=param, code="invalid_image_url"
+            ) from None
         if not self._host_allowed(host):
             raise bad_request(
                 f"fetching images from {host or 'this URL'!r} is not allowed "
@@ -152,33 +160,71 @@ class MediaLoader:
                 param=param,
                 code="media_domain_not_allowed",
             )
+        await self._refuse_internal_addresses(host, param)
         if self._client is None:
-            # Redirects are not followed: a redirect could leave the allowed domains.
+            # Redirects are not followed: a redirect could leave the allowed domains. No proxy
+            # variables or .netrc: the server's environment must not change where it fetches.
             self._client = httpx.AsyncClient(
-                timeout=self.settings.media_fetch_timeout_s, follow_redirects=False
+                timeout=self.settings.media_fetch_timeout_s,
+                follow_redirects=False,
+                trust_env=False,
             )
         limit = self.settings.max_image_bytes
         try:
-            async with self._client.stream("GET", url) as resp:
-                if resp.status_code != 200:
-                    raise bad_request(
-                        f"fetching image failed with HTTP {resp.status_code}",
-                        param=param,
-                        code="image_fetch_failed",
-                    )
-                chunks, size = [], 0
-                async for chunk in resp.aiter_bytes():
-                    size += len(chunk)
-                    if size > limit:
-                        raise bad_request("image too large", param=param, code="image_too_large")
-                    chunks.append(chunk)
-                return b"".join(chunks)
-        except httpx.HTTPError as exc:
+            async with asyncio.timeout(self.settings.media_fetch_timeout_s):
+                return await self._download(url, param, limit)
+        except TimeoutError:
+            raise bad_request(
+                f"fetching image took longer than {self.settings.media_fetch_timeout_s:g}s",
+                param=param,
+                code="image_fetch_failed",
+            ) from None
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise bad_request(
                 f"fetching image failed: {type(exc).__name__}",
                 param=param,
                 code="image_fetch_failed",
             ) from None
+
+    async def _refuse_internal_addresses(self, host: str, param: str) -> None:
+        """An allowed name must not resolve to loopback, private, link-local (cloud metadata)
+        or other special addresses unless ``--allow-private-media-addresses``: the allow-list
+        names hosts, and a name can point anywhere. (A name re-resolved differently between
+        this check and the connection is not covered.)"""
+        if self.settings.allow_private_media_addresses:
+            return
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(host, None)
+        except OSError:
+            raise bad_request(
+                f"image host {host!r} does not resolve", param=param, code="image_fetch_failed"
+            ) from None
+        for *_, sockaddr in infos:
+            address = ipaddress.ip_address(str(sockaddr[0]).split("%", 1)[0])
+            if not address.is_global:
+                raise bad_request(
+                    f"image host {host!r} resolves to a non-public address "
+                    "(see --allow-private-media-addresses)",
+                    param=param,
+                    code="media_domain_not_allowed",
+                )
+
+    async def _download(self, url: str, param: str, limit: int) -> bytes:
+        assert self._client is not None
+        async with self._client.stream("GET", url) as resp:
+            if resp.status_code != 200:
+                raise bad_request(
+                    f"fetching image failed with HTTP {resp.status_code}",
+                    param=param,
+                    code="image_fetch_failed",
+                )
+            chunks, size = [], 0
+            async for chunk in resp.aiter_bytes():
+                size += len(chunk)
+                if size > limit:
+                    raise bad_request("image too large", param=param, code="image_too_large")
+                chunks.append(chunk)
+            return b"".join(chunks)
 
     def _read_local(self, url: str, param: str) -> bytes:
         if self._local_root is None:
@@ -198,9 +244,18 @@ class MediaLoader:
                 code="local_media_not_allowed",
             )
         try:
-            if path.stat().st_size > self.settings.max_image_bytes:
+            info = path.stat()
+            if not stat.S_ISREG(info.st_mode):  # a FIFO or device would block the read forever
+                raise bad_request(
+                    "file:// path is not a regular file", param=param, code="invalid_image"
+                )
+            if info.st_size > self.settings.max_image_bytes:
                 raise bad_request("image too large", param=param, code="image_too_large")
-            return path.read_bytes()
+            with path.open("rb") as f:  # bounded read: the file may grow after the stat
+                data = f.read(self.settings.max_image_bytes + 1)
+            if len(data) > self.settings.max_image_bytes:
+                raise bad_request("image too large", param=param, code="image_too_large")
+            return data
         except OSError:
             raise bad_request(
                 "file:// image could not be read", param=param, code="invalid_image"

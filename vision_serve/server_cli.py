@@ -37,6 +37,10 @@ _SERVER_FLAGS: dict[str, dict[str, Any]] = {
         "nargs": "+",
         "help": "hosts (and their subdomains) http(s) image URLs may come from",
     },
+    "allow_private_media_addresses": {
+        "action": argparse.BooleanOptionalAction,
+        "help": "let listed media hosts resolve to loopback/private addresses (default off)",
+    },
     "allowed_local_media_path": {"help": "directory file:// image URLs may point into"},
     "media_fetch_timeout_s": {"type": float, "help": "timeout for fetching an image URL"},
     "max_image_bytes": {"type": int, "help": "largest image accepted, in bytes"},

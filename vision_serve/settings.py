@@ -41,6 +41,9 @@ class ServerSettings(BaseSettings):
     # http(s) image URLs are refused unless their host is listed here (a subdomain of a listed
     # domain counts). Fetching arbitrary URLs from the server would be an SSRF hole.
     allowed_media_domains: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # A listed name that resolves to loopback/private/link-local addresses is refused unless
+    # this is set (a camera NVR on the LAN, say): names are checked, and names can lie.
+    allow_private_media_addresses: bool = False
     # file:// image URLs are refused unless they resolve under this directory.
     allowed_local_media_path: Path | None = None
     media_fetch_timeout_s: float = Field(default=5.0, gt=0)

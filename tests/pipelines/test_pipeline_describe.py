@@ -58,6 +58,8 @@ def test_frames_are_described_acknowledged_and_stored(redis_server, vlm_double, 
     assert content[0]["image_url"]["url"].startswith("data:image/jpeg;base64,")
     assert "Camera: door" in content[1]["text"] and "person 0.90" in content[1]["text"]
     assert request["priority"] == "batch" and request["model"] == "tiny"
+    # the frame's remaining age, so the server drops it unstarted once stale
+    assert 0 < request["max_queue_seconds"] <= config.queue.max_frame_age_s
 
 
 @pytest.mark.parametrize(

@@ -51,6 +51,7 @@ def server(engine: Any, media_dir: Path) -> Iterator[ServerHandle]:
         api_key=API_KEY,
         allowed_local_media_path=media_dir,
         allowed_media_domains=["127.0.0.1"],
+        allow_private_media_addresses=True,  # the test image host is on loopback
         max_request_body_mb=1.0,
         media_fetch_timeout_s=2.0,
     )

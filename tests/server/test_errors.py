@@ -178,6 +178,14 @@ def test_health_and_metrics_need_no_key(server):
     assert httpx.get(server.base_url + "/metrics").status_code == 200
 
 
+def test_the_openapi_schema_needs_the_key(server):
+    """It lists every route and field: the same key as /v1."""
+    assert httpx.get(server.base_url + "/openapi.json").status_code == 401
+    with server.http() as http:
+        schema = http.get("/openapi.json").json()
+    assert "/v1/chat/completions" in schema["paths"]
+
+
 def test_unknown_model_is_404(client, server):
     with pytest.raises(openai.NotFoundError) as exc:
         client.chat.completions.create(model="gpt-nonexistent", messages=OK_MESSAGES)

@@ -89,3 +89,44 @@ async def test_oversized_image_is_refused(tmp_path):
     with pytest.raises(APIError) as exc:
         await loader.load((tmp_path / "ok" / "big.png").as_uri(), "p")
     assert exc.value.code == "image_too_large"
+
+
+async def test_a_listed_name_resolving_to_a_private_address_is_refused(tmp_path, media_dir):
+    """The allow-list names hosts; a listed name pointing at loopback (or a metadata service)
+    is refused unless --allow-private-media-addresses says the LAN is trusted."""
+    make_image().save(media_dir / "lan.png")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(media_dir))
+    handler.log_message = lambda *args: None  # type: ignore[method-assign]
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://localhost:{httpd.server_address[1]}/lan.png"
+    try:
+        strict = _loader(tmp_path, allowed_media_domains=["localhost"])
+        with pytest.raises(APIError) as exc:
+            await strict.load(url, "p")
+        assert exc.value.code == "media_domain_not_allowed" and "non-public" in exc.value.message
+        trusting = _loader(
+            tmp_path, allowed_media_domains=["localhost"], allow_private_media_addresses=True
+        )
+        assert (await trusting.load(url, "p")).mode == "RGB"
+    finally:
+        httpd.shutdown()
+
+
+async def test_malformed_url_of_a_listed_host_is_a_400(tmp_path):
+    loader = _loader(tmp_path, allowed_media_domains=["example.com"])
+    for url in ("http://[::1/x.png", "http://example.com:99999/x.png"):
+        with pytest.raises(APIError) as exc:
+            await loader.load(url, "p")
+        assert exc.value.status == 400
+
+
+async def test_a_fifo_under_the_allowed_path_is_refused_not_waited_on(tmp_path):
+    import os
+
+    (tmp_path / "ok").mkdir()
+    os.mkfifo(tmp_path / "ok" / "pipe.png")
+    loader = _loader(tmp_path)
+    with pytest.raises(APIError) as exc:
+        await loader.load((tmp_path / "ok" / "pipe.png").as_uri(), "p")
+    assert exc.value.code == "invalid_image"
