@@ -14,6 +14,7 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from pipelines.config import ConfigError, PipelineConfig, load_config
@@ -62,26 +63,50 @@ def _load(args: argparse.Namespace) -> PipelineConfig | None:
     return config
 
 
+def _config_error(args: argparse.Namespace, message: str) -> int:
+    """Say what in the file is wrong; exit status 2."""
+    print(f"error: {args.config}: {message}", file=sys.stderr)
+    return 2
+
+
+def _serve_metrics(args: argparse.Namespace, config: PipelineConfig, port: int) -> None:
+    """Prometheus metrics on ``port`` from the file, unless ``--metrics-port`` says otherwise."""
+    from pipelines.metrics import serve_metrics
+
+    serve_metrics(config.metrics.host, port if args.metrics_port is None else args.metrics_port)
+
+
+def _run_worker(make: Callable[[], Any]) -> int:
+    """Run an asyncio worker (``Describer``, ``Notifier``) made in its event loop until
+    SIGTERM/SIGINT ask it to stop; exit status 0 on a clean stop."""
+
+    async def main() -> None:
+        worker = make()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, worker.request_stop)
+        await worker.run()
+
+    asyncio.run(main())
+    return 0
+
+
 def run_pipeline(args: argparse.Namespace) -> int:
     """Run ingest + detect + enqueue until SIGTERM/SIGINT; exit status 0 on a clean stop."""
     config = _load(args)
     if config is None:
         return 2
     if not config.cameras:
-        print(f"error: {args.config}: cameras: at least one camera is needed", file=sys.stderr)
-        return 2
+        return _config_error(args, "cameras: at least one camera is needed")
     from pipelines.detect import Detector, DetectorError
-    from pipelines.metrics import serve_metrics
     from pipelines.pipeline import CameraPipeline
 
     try:
         detector = Detector(config.detector)
     except DetectorError as exc:
-        print(f"error: {args.config}: {exc}", file=sys.stderr)
-        return 2
+        return _config_error(args, str(exc))
     pipeline = CameraPipeline(config, detector)
-    port = config.metrics.pipeline_port if args.metrics_port is None else args.metrics_port
-    serve_metrics(config.metrics.host, port)
+    _serve_metrics(args, config, config.metrics.pipeline_port)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: pipeline.stop())
     pipeline.run()
@@ -94,23 +119,8 @@ def run_describe(args: argparse.Namespace) -> int:
     if config is None:
         return 2
     if not config.describer.model:
-        print(
-            f"error: {args.config}: describer.model: the served model's name is required",
-            file=sys.stderr,
-        )
-        return 2
+        return _config_error(args, "describer.model: the served model's name is required")
     from pipelines.describe import Describer
-    from pipelines.metrics import serve_metrics
 
-    port = config.metrics.describe_port if args.metrics_port is None else args.metrics_port
-    serve_metrics(config.metrics.host, port)
-
-    async def main() -> None:
-        describer = Describer(config, consumer=args.consumer)
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, describer.request_stop)
-        await describer.run()
-
-    asyncio.run(main())
-    return 0
+    _serve_metrics(args, config, config.metrics.describe_port)
+    return _run_worker(lambda: Describer(config, consumer=args.consumer))

@@ -31,34 +31,19 @@ import os
 import socket
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import redis
-import redis.asyncio as aredis
 
 from pipelines import metrics
 from pipelines.backoff import Backoff
 from pipelines.config import PipelineConfig
 from pipelines.logs import kv
-from pipelines.queue import COMMIT_LUA, log_redis_down
-from pipelines.vlm import (
-    EndpointUnavailable,
-    FrameRejected,
-    ServerError,
-    VLMClient,
-    build_prompt,
-    fit_frame,
-)
+from pipelines.queue import COMMIT_LUA
+from pipelines.vlm import EndpointUnavailable, FrameRejected, ServerError, VLMClient, frame_request
+from pipelines.worker import REDIS_DOWN, RedisWorker, Stopping, connect_async, renew_claims
 
 log = logging.getLogger(__name__)
-
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, OSError)
-T = TypeVar("T")
-
-
-class Stopping(Exception):
-    """Raised inside a frame's task when the worker stops before the frame is done."""
 
 
 def default_consumer_name() -> str:
@@ -70,7 +55,7 @@ def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-class Describer:
+class Describer(RedisWorker):
     """One worker process's loop: read, describe with bounded concurrency, commit."""
 
     def __init__(
@@ -82,47 +67,31 @@ class Describer:
         self.config = config
         self.q = config.queue
         self.d = config.describer
-        self.consumer = consumer or default_consumer_name()
-        self.redis = aredis.Redis.from_url(
-            config.redis_url,
-            socket_timeout=self.d.block_ms / 1000 + 5.0,
-            socket_connect_timeout=2.0,
-            health_check_interval=15,
+        super().__init__(
+            "describer",
+            metrics.REDIS_ERRORS.labels("describer"),
+            self.d.backoff_initial_s,
+            self.d.backoff_max_s,
         )
+        self.consumer = consumer or default_consumer_name()
+        self.redis = connect_async(config.redis_url, self.d.block_ms)
         self._commit_script = self.redis.register_script(COMMIT_LUA)
         self.vlm = vlm or VLMClient(self.d)
         self.inflight: dict[str, asyncio.Task[None]] = {}
         self.counts: Counter[str] = Counter()
         self.endpoint_ok = True
-        self._stop = asyncio.Event()  # binds to the loop that first waits on it
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._claim_cursor = "0-0"
         self._last_gc = 0.0
 
-    # -- lifecycle ---------------------------------------------------------------------
-    def request_stop(self) -> None:
-        """Stop taking frames; safe to call from a signal handler or another thread."""
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if self._loop is not None and running is not self._loop:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        else:
-            self._stop.set()
-
-    @property
-    def stopping(self) -> bool:
-        return self._stop.is_set()
-
+    # -- lifecycle (stop requests, sleeps, Redis retries: ``RedisWorker``) ---------------
     async def run(self) -> None:
         """Work until ``request_stop()``; then finish in-flight frames within the grace."""
-        self._loop = asyncio.get_running_loop()
+        self._started()
         log.info(kv("describer_started", consumer=self.consumer, model=self.d.model))
         metrics.VLM_UP.set(1)
         heartbeat = asyncio.create_task(self._heartbeat())
         try:
-            await self._redis(self._ensure_group)
+            await self.with_redis(self._ensure_group)
             await self._loop_frames()
         except Stopping:
             pass
@@ -161,25 +130,25 @@ class Describer:
                     for entry_id, fields in entries:
                         self._spawn(_s(entry_id), fields, deliveries=1)
             except REDIS_DOWN as exc:
-                await self._redis_down(exc, backoff)
+                await self.redis_down(exc, backoff)
             except redis.ResponseError as exc:
                 if "NOGROUP" in str(exc):  # Redis lost its data (or someone deleted the stream)
                     log.warning(
                         kv("group_missing", stream=self.q.frames_stream, group=self.q.group)
                     )
-                    await self._redis(self._ensure_group)
+                    await self.with_redis(self._ensure_group)
                     continue
                 # e.g. MISCONF / OOM: Redis refuses for now; keep running, try again later
                 log.error(kv("redis_refused", component="describer", error=exc))
                 metrics.REDIS_ERRORS.labels("describer").inc()
-                await self._sleep(backoff.next_delay())
+                await self.sleep(backoff.next_delay())
 
     def _capacity(self) -> int:
         # while the endpoint fails, one frame at a time probes it; the rest wait in Redis
         return self.d.concurrency if self.endpoint_ok else 1
 
     async def _wait_for_slot(self) -> None:
-        waiters = [*self.inflight.values(), asyncio.ensure_future(self._stop.wait())]
+        waiters = [*self.inflight.values(), asyncio.ensure_future(self.wait_for_stop())]
         try:
             await asyncio.wait(
                 waiters, timeout=self.d.block_ms / 1000, return_when=asyncio.FIRST_COMPLETED
@@ -189,7 +158,7 @@ class Describer:
 
     async def _drain(self) -> None:
         """Give in-flight frames ``shutdown_grace_s`` to finish; the rest stay pending."""
-        self._stop.set()
+        self.request_stop()
         tasks = list(self.inflight.values())
         if tasks:
             log.info(kv("describer_draining", consumer=self.consumer, inflight=len(tasks)))
@@ -210,44 +179,18 @@ class Describer:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    async def _redis(self, call: Callable[[], Awaitable[T]]) -> T:
-        """Run a Redis call, retrying with backoff while Redis is unreachable."""
-        backoff = Backoff(self.d.backoff_initial_s, self.d.backoff_max_s)
-        while True:
-            try:
-                return await call()
-            except REDIS_DOWN as exc:
-                await self._redis_down(exc, backoff)
-
-    async def _redis_down(self, exc: BaseException, backoff: Backoff) -> None:
-        metrics.REDIS_ERRORS.labels("describer").inc()
-        if backoff.attempts == 0:
-            log_redis_down("describer", exc)
-        await self._sleep(backoff.next_delay())
-
-    async def _sleep(self, seconds: float) -> None:
-        """Sleep, but raise ``Stopping`` as soon as the worker is asked to stop."""
-        try:
-            await asyncio.wait_for(self._stop.wait(), timeout=max(0.0, seconds))
-        except TimeoutError:
-            return
-        raise Stopping
-
     # -- reclaiming and observing --------------------------------------------------------
     async def _heartbeat(self) -> None:
         """Renew the claim on in-flight frames so no live worker's frame looks abandoned."""
-        period = max(0.1, min(self.d.claim_idle_s / 3, 5.0))
-        while True:
-            await asyncio.sleep(period)
-            ids = list(self.inflight)
-            if not ids:
-                continue
-            try:
-                await self.redis.xclaim(
-                    self.q.frames_stream, self.q.group, self.consumer, 0, ids, justid=True
-                )
-            except (redis.RedisError, OSError) as exc:
-                log.debug(kv("heartbeat_failed", consumer=self.consumer, error=exc))
+        await renew_claims(
+            self.redis,
+            self.q.frames_stream,
+            self.q.group,
+            self.consumer,
+            self.inflight,
+            self.d.claim_idle_s,
+            consumer=self.consumer,
+        )
 
     async def _reclaim(self) -> None:
         """Take over frames idle past ``claim_idle_s`` (their worker died) -- up to free slots."""
@@ -358,16 +301,11 @@ class Describer:
             await self._finish(entry_id, fields, "expired", "max_age")
             return
         image_key = fields.get("image", "")
-        jpeg = await self._redis(lambda: self.redis.get(image_key))
+        jpeg = await self.with_redis(lambda: self.redis.get(image_key))
         if jpeg is None:  # its TTL ran out before a worker got to it
             await self._finish(entry_id, fields, "expired", "image_gone")
             return
-        prompt_fields = fields
-        if self.d.max_pixels:  # off the event loop: decoding and resizing take milliseconds
-            jpeg, prompt_fields = await asyncio.to_thread(
-                fit_frame, jpeg, fields, self.d.max_pixels, self.q.jpeg_quality
-            )
-        prompt = build_prompt(self.config.prompt_for(camera), prompt_fields)
+        jpeg, prompt = await frame_request(self.config, jpeg, fields)
         backoff = Backoff(self.d.backoff_initial_s, self.d.backoff_max_s)
         failures = 0
         while True:
@@ -394,7 +332,7 @@ class Describer:
             if left <= 0:
                 await self._finish(entry_id, fields, "expired", "max_age", str(error))
                 return
-            await self._sleep(min(backoff.next_delay(), left + 0.01))
+            await self.sleep(min(backoff.next_delay(), left + 0.01))
         self._endpoint_answered()
         now = time.time()
         result = {
@@ -462,7 +400,7 @@ class Describer:
         image_key = fields.get("image", "")
         if outcome != "described" and image_key:
             keys.append(image_key)
-        acked = await self._redis(lambda: self._commit_script(keys=keys, args=args))
+        acked = await self.with_redis(lambda: self._commit_script(keys=keys, args=args))
         if not acked:
             self._count(entry_id, camera, "duplicate", reason)
             return False

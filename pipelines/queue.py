@@ -71,20 +71,11 @@ from pipelines.config import QueueConfig
 from pipelines.detect import Detection
 from pipelines.ingest import Frame
 from pipelines.logs import kv
+from pipelines.worker import log_redis_down
 
 log = logging.getLogger(__name__)
 
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
-
-
-def log_redis_down(component: str, exc: BaseException) -> None:
-    """One log line for an unusable Redis. A refused login is a ``ConnectionError`` too and
-    is retried like an outage (the password may be fixed on the server side), but it is
-    named as what it is, at error level, so it is not mistaken for a network blip."""
-    if isinstance(exc, redis.AuthenticationError):
-        log.error(kv("redis_auth_failed", component=component, error=exc))
-    else:
-        log.warning(kv("redis_unavailable", component=component, error=exc))
 
 
 IDENTITY = "enqueued == described + expired + dead + pending"

@@ -17,6 +17,7 @@ goes to the dead letters at once.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import datetime as dt
 import json
@@ -29,7 +30,7 @@ import numpy as np
 import openai
 
 from pipelines import metrics
-from pipelines.config import DescriberConfig
+from pipelines.config import DescriberConfig, PipelineConfig
 
 
 class EndpointUnavailable(Exception):
@@ -115,6 +116,22 @@ def fit_frame(
     except (json.JSONDecodeError, KeyError, TypeError, ValueError):
         scaled = "[]"  # as build_prompt treats unreadable boxes
     return buf.tobytes(), {**fields, "width": str(w), "height": str(h), "boxes": scaled}
+
+
+async def frame_request(
+    config: PipelineConfig, jpeg: bytes, fields: dict[str, str]
+) -> tuple[bytes, str]:
+    """What is sent for a frame: its JPEG (``fit_frame`` to ``describer.max_pixels`` when set,
+    off the event loop: decoding and resizing take milliseconds) and the prompt for its camera,
+    listing the detections in the sent image's coordinates."""
+    max_pixels = config.describer.max_pixels
+    prompt_fields = fields
+    if max_pixels:
+        jpeg, prompt_fields = await asyncio.to_thread(
+            fit_frame, jpeg, fields, max_pixels, config.queue.jpeg_quality
+        )
+    camera = fields.get("camera", "?")
+    return jpeg, build_prompt(config.prompt_for(camera), prompt_fields)
 
 
 class VLMClient:

@@ -7,10 +7,10 @@ Whoever created the engine shuts it down.
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from vision_serve.auth import bearer_key_dependency
 from vision_serve.errors import APIError, install_error_handlers
 from vision_serve.media import MediaLoader
 from vision_serve.metrics import ServerMetrics
@@ -71,28 +72,6 @@ class BodyLimitMiddleware:
         return APIError(413, self._message(), code="request_too_large").response()
 
 
-def _auth_dependency(api_key: str | None) -> Any:
-    """Bearer-token check for /v1/*; a no-op when no key is configured."""
-
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), api_key.encode()
-        ):
-            raise APIError(
-                401,
-                "Incorrect or missing API key." if header else "No API key provided.",
-                type="invalid_request_error",
-                code="invalid_api_key",
-                headers={"www-authenticate": "Bearer"},
-            )
-
-    return check
-
-
 def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     """Build the OpenAI-compatible app around a started engine."""
     settings = settings or ServerSettings()
@@ -117,7 +96,10 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_auth_dependency(settings.api_key))])
+    # OpenAI answers a missing or wrong key with type invalid_request_error; so do we
+    key_error = partial(APIError, type="invalid_request_error")
+    require_key = Depends(bearer_key_dependency(settings.api_key, key_error))
+    v1 = APIRouter(prefix="/v1", dependencies=[require_key])
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -137,7 +119,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     @app.get(
         "/openapi.json",
         include_in_schema=False,
-        dependencies=[Depends(_auth_dependency(settings.api_key))],
+        dependencies=[require_key],
     )
     async def openapi_schema() -> JSONResponse:
         return JSONResponse(app.openapi())

@@ -1,10 +1,10 @@
 """The events page and its REST API (FastAPI), with the consumer and retention in-process.
 
 Auth: ``ui.api_key`` set (compose: required) means every ``/api/*`` route wants
-``Authorization: Bearer <key>``, compared in constant time -- the rule of the VLM server
-(``vision_serve/app.py``). The page itself (``/``, ``/static/*``) holds no data and is open;
-its script asks for the key once, keeps it in the browser's ``localStorage`` and sends it as
-that header on every call, the live stream included (read with ``fetch``, not
+``Authorization: Bearer <key>``, compared in constant time -- the VLM server's rule, the same
+function (``vision_serve/auth.py``). The page itself (``/``, ``/static/*``) holds no data and
+is open; its script asks for the key once, keeps it in the browser's ``localStorage`` and
+sends it as that header on every call, the live stream included (read with ``fetch``, not
 ``EventSource``, which cannot send headers), and loads snapshots as blobs. So the key never
 appears in a URL, a log line or a Referer.
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import hmac
 import json
 import logging
 import math
@@ -46,6 +45,7 @@ from pipelines.events.retention import RetentionLoop
 from pipelines.events.store import EventStore, QueryError
 from pipelines.logs import kv
 from pipelines.queue import accounting, queue_depth
+from vision_serve.auth import bearer_key_dependency
 
 log = logging.getLogger(__name__)
 
@@ -111,28 +111,6 @@ class SecurityHeaders:
             await send(message)
 
         await self.app(scope, receive, send_with_headers)
-
-
-def bearer_auth(api_key: str | None) -> Any:
-    """The VLM server's rule: ``Authorization: Bearer <key>``, constant-time compare; a no-op
-    when no key is configured."""
-
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), api_key.encode()
-        ):
-            raise UIError(
-                401,
-                "Incorrect or missing API key." if header else "No API key provided.",
-                code="invalid_api_key",
-                headers={"www-authenticate": "Bearer"},
-            )
-
-    return check
 
 
 class Notifier:
@@ -258,7 +236,8 @@ def create_app(config: PipelineConfig) -> FastAPI:
     app.state.retention = retention
     install_error_handlers(app)
     app.add_middleware(SecurityHeaders)
-    api = APIRouter(prefix="/api", dependencies=[Depends(bearer_auth(config.ui.api_key))])
+    require_key = Depends(bearer_key_dependency(config.ui.api_key, UIError))
+    api = APIRouter(prefix="/api", dependencies=[require_key])
 
     @api.get("/events")
     def list_events(
@@ -351,8 +330,7 @@ def create_app(config: PipelineConfig) -> FastAPI:
             FrameRejected,
             ServerError,
             VLMClient,
-            build_prompt,
-            fit_frame,
+            frame_request,
         )
 
         row = await asyncio.to_thread(store.row, event_id)
@@ -373,13 +351,9 @@ def create_app(config: PipelineConfig) -> FastAPI:
             "height": str(row["height"] or "?"),
         }
         async with redescribe_slots:
-            if d.max_pixels:
-                jpeg, fields = await asyncio.to_thread(
-                    fit_frame, jpeg, fields, d.max_pixels, config.queue.jpeg_quality
-                )
+            jpeg, prompt = await frame_request(config, jpeg, fields)
             if not vlm_client:
                 vlm_client.append(VLMClient(d))
-            prompt = build_prompt(config.prompt_for(row["camera"]), fields)
             try:
                 text, info = await vlm_client[0].describe(jpeg, prompt)
             except EndpointUnavailable as exc:

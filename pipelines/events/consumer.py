@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -40,7 +39,8 @@ from pipelines.backoff import Backoff
 from pipelines.config import PipelineConfig
 from pipelines.events.store import EventStore, NewEvent
 from pipelines.logs import kv
-from pipelines.queue import REDIS_DOWN, connect, log_redis_down
+from pipelines.queue import REDIS_DOWN, connect
+from pipelines.worker import ThreadWorker, log_redis_down
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-class EventConsumer:
+class EventConsumer(ThreadWorker):
     """One thread: read descriptions, store them, acknowledge; ``on_stored`` is called (from
     this thread) after each commit that added events."""
 
@@ -67,27 +67,16 @@ class EventConsumer:
         self.consumer = self.e.consumer
         self.connected = False
         self.counts: Counter[str] = Counter()  # this process's, for logs; the store has totals
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="events-consumer", daemon=True)
+        super().__init__("events-consumer")
         self._backlog = True  # read our own pending entries first
         self._backlog_cursor = "0"
         self._claim_cursor = "0-0"
         self._next_claim = 0.0
 
-    # -- lifecycle -------------------------------------------------------------------------
-    def start(self) -> EventConsumer:
-        self._thread.start()
-        return self
-
+    # -- lifecycle (start, alive: ``ThreadWorker``) ----------------------------------------
     def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        if self._thread.ident is not None:
-            self._thread.join(timeout)
+        super().stop(timeout)
         self.client.close()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
 
     def _run(self) -> None:
         log.info(kv("events_consumer_started", group=self.e.group, consumer=self.consumer))

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-import threading
 import time
 
 from pipelines.events.config import EventsConfig
 from pipelines.events.store import EventStore
 from pipelines.logs import kv
+from pipelines.worker import ThreadWorker
 
 log = logging.getLogger(__name__)
 
@@ -54,28 +54,14 @@ def enforce_retention(
     return deleted
 
 
-class RetentionLoop:
+class RetentionLoop(ThreadWorker):
     """``enforce_retention`` every ``retention_interval_s`` on its own thread."""
 
     def __init__(self, store: EventStore, cfg: EventsConfig) -> None:
         self.store = store
         self.cfg = cfg
         self.passes = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="events-retention", daemon=True)
-
-    def start(self) -> RetentionLoop:
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        if self._thread.ident is not None:
-            self._thread.join(timeout)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
+        super().__init__("events-retention")
 
     def _run(self) -> None:
         while not self._stop.is_set():

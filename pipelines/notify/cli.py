@@ -8,12 +8,9 @@ on a configuration error, 1 if the loop dies, so that a supervisor restarts it.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import signal
-import sys
 from typing import Any
 
-from pipelines.cli import _common, _load
+from pipelines.cli import _common, _config_error, _load, _run_worker, _serve_metrics
 
 
 def add_notify_cli(subparsers: Any) -> None:
@@ -34,29 +31,14 @@ def run_notify(args: argparse.Namespace) -> int:
     if config is None:
         return 2
     if not config.notify.sinks_configured:
-        print(
-            f"error: {args.config}: notify: configure notify.mqtt and/or notify.webhooks",
-            file=sys.stderr,
-        )
-        return 2
+        return _config_error(args, "notify: configure notify.mqtt and/or notify.webhooks")
     import logging
 
-    from pipelines.metrics import serve_metrics
     from pipelines.notify.notifier import Notifier
 
     # httpx logs each request's URL at INFO; a webhook URL may carry a token
     for name in ("httpx", "httpcore"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
-    port = config.notify.metrics_port if args.metrics_port is None else args.metrics_port
-    serve_metrics(config.metrics.host, port)
-
-    async def main() -> None:
-        notifier = Notifier(config, consumer=args.consumer)
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, notifier.request_stop)
-        await notifier.run()
-
-    asyncio.run(main())
-    return 0
+    _serve_metrics(args, config, config.notify.metrics_port)
+    return _run_worker(lambda: Notifier(config, consumer=args.consumer))

@@ -40,7 +40,8 @@ from pipelines.logs import kv
 from pipelines.notify import metrics
 from pipelines.notify.config import MqttConfig
 from pipelines.notify.event import EVENT_TYPE, Event
-from pipelines.notify.sink import Delivered, Hooks, Result, Stopping
+from pipelines.notify.sink import Delivered, Hooks, Result
+from pipelines.worker import Stopping
 
 log = logging.getLogger(__name__)
 

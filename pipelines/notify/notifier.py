@@ -29,23 +29,19 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import redis
-import redis.asyncio as aredis
 
 from pipelines.backoff import Backoff
 from pipelines.config import PipelineConfig
 from pipelines.logs import kv
 from pipelines.notify import metrics
 from pipelines.notify.event import build_event, skip_reason
-from pipelines.notify.sink import Dead, Delivered, Hooks, Sink, Stopping
+from pipelines.notify.sink import Dead, Delivered, Hooks, Sink
+from pipelines.worker import REDIS_DOWN, RedisWorker, Stopping, connect_async, renew_claims
 
 log = logging.getLogger(__name__)
-
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, OSError)
-T = TypeVar("T")
 
 ACK_LUA = """
 -- KEYS: descriptions stream, stats hash, dead-letter stream
@@ -89,7 +85,7 @@ def build_sinks(config: PipelineConfig, hooks: Hooks) -> list[Sink]:
     return sinks
 
 
-class Notifier:
+class Notifier(RedisWorker):
     """One process: a ``SinkWorker`` per sink, sharing a Redis client and the stop signal."""
 
     def __init__(
@@ -97,42 +93,23 @@ class Notifier:
     ) -> None:
         self.config = config
         self.n = config.notify
+        super().__init__(
+            "notifier", metrics.REDIS_ERRORS, self.n.backoff_initial_s, self.n.backoff_max_s
+        )
         self.stream = config.queue.descriptions_stream
         self.consumer = consumer or self.n.consumer or socket.gethostname()
-        self.redis = aredis.Redis.from_url(
-            config.redis_url,
-            socket_timeout=self.n.block_ms / 1000 + 5.0,
-            socket_connect_timeout=2.0,
-            health_check_interval=15,
-        )
+        self.redis = connect_async(config.redis_url, self.n.block_ms)
         self.ack_script = self.redis.register_script(ACK_LUA)
-        self.hooks = Hooks(sleep=self.sleep, stopped=self._stopped, retry=self._retry)
+        self.hooks = Hooks(sleep=self.sleep, stopped=self.wait_for_stop, retry=self._retry)
         self.sinks = sinks if sinks is not None else build_sinks(config, self.hooks)
-        self._stop = asyncio.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     def group(self, sink: Sink) -> str:
         return f"{self.n.group}:{sink.name}"
 
-    # -- lifecycle ---------------------------------------------------------------------
-    def request_stop(self) -> None:
-        """Stop taking events; safe to call from a signal handler or another thread."""
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if self._loop is not None and running is not self._loop:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        else:
-            self._stop.set()
-
-    @property
-    def stopping(self) -> bool:
-        return self._stop.is_set()
-
+    # -- lifecycle (stop requests, sleeps, Redis retries: ``RedisWorker``) ---------------
     async def run(self) -> None:
         """Deliver until ``request_stop()``; in-flight events get ``shutdown_grace_s``."""
-        self._loop = asyncio.get_running_loop()
+        self._started()
         names = ",".join(s.name for s in self.sinks)
         log.info(kv("notifier_started", consumer=self.consumer, sinks=names))
         workers = [SinkWorker(self, sink) for sink in self.sinks]
@@ -146,7 +123,7 @@ class Notifier:
         except Stopping:
             pass
         finally:
-            self._stop.set()
+            self.request_stop()
             await asyncio.gather(*tasks, return_exceptions=True)
             for sink in self.sinks:
                 await sink.close()
@@ -181,35 +158,6 @@ class Notifier:
                 continue
             origin = "history" if start == "0" else "new entries"
             log.info(kv("notify_group_created", group=group, start=origin))
-
-    async def with_redis(self, call: Callable[[], Awaitable[T]]) -> T:
-        """Run a Redis call, retrying with backoff while Redis is unreachable."""
-        backoff = Backoff(self.n.backoff_initial_s, self.n.backoff_max_s)
-        while True:
-            try:
-                return await call()
-            except REDIS_DOWN as exc:
-                await self.redis_down(exc, backoff)
-
-    async def redis_down(self, exc: BaseException, backoff: Backoff) -> None:
-        metrics.REDIS_ERRORS.inc()
-        if backoff.attempts == 0:  # as queue.log_redis_down (not imported: it brings cv2)
-            if isinstance(exc, redis.AuthenticationError):
-                log.error(kv("redis_auth_failed", component="notifier", error=exc))
-            else:
-                log.warning(kv("redis_unavailable", component="notifier", error=exc))
-        await self.sleep(backoff.next_delay())
-
-    async def sleep(self, seconds: float) -> None:
-        """Sleep, but raise ``Stopping`` as soon as the notifier is asked to stop."""
-        try:
-            await asyncio.wait_for(self._stop.wait(), timeout=max(0.0, seconds))
-        except TimeoutError:
-            return
-        raise Stopping
-
-    async def _stopped(self) -> None:
-        await self._stop.wait()
 
     def _retry(self, sink: str, reason: str) -> None:
         metrics.RETRIES.labels(sink, reason).inc()
@@ -289,7 +237,7 @@ class SinkWorker:
                 await self.notifier.sleep(backoff.next_delay())
 
     async def _wait_for_slot(self) -> None:
-        stop = asyncio.ensure_future(self.notifier._stopped())
+        stop = asyncio.ensure_future(self.notifier.wait_for_stop())
         try:
             await asyncio.wait(
                 [*self.inflight.values(), stop],
@@ -316,16 +264,15 @@ class SinkWorker:
     async def _heartbeat(self) -> None:
         """Renew the claim on in-flight entries: a live notifier's events never look
         abandoned, however long a sink keeps retrying."""
-        period = max(0.1, min(self.n.claim_idle_s / 3, 5.0))
-        while True:
-            await asyncio.sleep(period)
-            ids = list(self.inflight)
-            if not ids:
-                continue
-            try:
-                await self.redis.xclaim(self.stream, self.group, self.consumer, 0, ids, justid=True)
-            except (redis.RedisError, OSError) as exc:
-                log.debug(kv("heartbeat_failed", sink=self.sink.name, error=exc))
+        await renew_claims(
+            self.redis,
+            self.stream,
+            self.group,
+            self.consumer,
+            self.inflight,
+            self.n.claim_idle_s,
+            sink=self.sink.name,
+        )
 
     async def _reclaim(self) -> None:
         """Take over entries idle past ``claim_idle_s`` (their notifier died)."""

@@ -2,8 +2,8 @@
 (``Delivered``) or it is given up on (``Dead``); until then the sink retries by itself.
 
 The notifier acknowledges the stream entry only on one of those two answers. A sink that is
-told to stop mid-way raises ``Stopping`` and the entry stays pending, to be sent again (same
-event id) by the next notifier.
+told to stop mid-way raises ``pipelines.worker.Stopping`` (as ``Hooks.sleep`` does) and the
+entry stays pending, to be sent again (same event id) by the next notifier.
 """
 
 from __future__ import annotations
@@ -13,10 +13,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pipelines.notify.event import Event
-
-
-class Stopping(Exception):
-    """The notifier is stopping: leave the event pending."""
 
 
 @dataclass(frozen=True)

@@ -81,3 +81,22 @@ SYNTHETIC_COSTS = {
     "attention_kunits": 0.0001,
     "encoder_kunits": 0.0002,
 }
+
+
+def step_logits(llm, conv, params) -> list:
+    """The logits each step sampled from, for one greedy ``chat`` (a test's view of the
+    sampler's input; the runner is left as it was)."""
+    runner = llm.engine.runner
+    logs: list = []
+    sample = runner._sample
+
+    def keep(logits, chunks):
+        logs.append(logits.float().clone())
+        return sample(logits, chunks)
+
+    runner._sample = keep
+    try:
+        llm.chat(conv, params)
+    finally:
+        runner._sample = sample
+    return logs

@@ -9,10 +9,9 @@ only paths) ran none of them.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
-from tests.engine.helpers import image_conv, noise_image, text_conv
+from tests.engine.helpers import image_conv, noise_image, step_logits, text_conv
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -28,21 +27,6 @@ def test_disabled_kernel_falls_back(tiny_qwen2_vl) -> None:
 def test_fp32_never_uses_the_kernel(tiny_qwen2_vl) -> None:
     llm = LLM(model=str(tiny_qwen2_vl), dtype="float32")
     assert llm.engine.runner.fused_decoder is None
-
-
-def _sampled_logits(llm: LLM, conv) -> list[torch.Tensor]:
-    runner = llm.engine.runner
-    logs: list[torch.Tensor] = []
-    sample = runner._sample
-
-    def keep(logits, chunks):
-        logs.append(logits.float().clone())
-        return sample(logits, chunks)
-
-    runner._sample = keep
-    llm.chat(conv, GREEDY)
-    runner._sample = sample
-    return logs
 
 
 @pytest.mark.parametrize(
@@ -63,8 +47,8 @@ def test_eager_bf16_logits_track_fp32(tiny_checkpoint, conv) -> None:
     )
     assert bf16.engine.runner.fused_decoder is None
     want = fp32.chat(conv, GREEDY)[0].outputs[0].token_ids
-    got_logits = _sampled_logits(bf16, conv)
-    ref_logits = _sampled_logits(fp32, conv)
+    got_logits = step_logits(bf16, conv, GREEDY)
+    ref_logits = step_logits(fp32, conv, GREEDY)
     assert len(got_logits) == len(ref_logits) == len(want)
     got = bf16.chat(conv, GREEDY)[0].outputs[0].token_ids
     for step, (g, r) in enumerate(zip(got_logits, ref_logits, strict=True)):

@@ -12,7 +12,7 @@ from engine import LLM, SamplingParams
 from engine.config import EngineArgs
 from engine.kernels import load_int8_linear
 from engine.layers.quantized import Int8Linear, quantize_int8
-from tests.engine.helpers import image_conv, noise_image, text_conv
+from tests.engine.helpers import image_conv, noise_image, step_logits, text_conv
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [
@@ -64,23 +64,6 @@ def pair(tiny_qwen2_vl):
     return fp32, int8
 
 
-def _step_logits(llm: LLM, conv) -> list[torch.Tensor]:
-    runner = llm.engine.runner
-    logs: list[torch.Tensor] = []
-    sample = runner._sample
-
-    def keep(logits, chunks):
-        logs.append(logits.float().clone())
-        return sample(logits, chunks)
-
-    runner._sample = keep
-    try:
-        llm.chat(conv, GREEDY)
-    finally:
-        runner._sample = sample
-    return logs
-
-
 def test_every_decoder_linear_is_int8_and_the_vision_tower_is_not(pair) -> None:
     _, int8 = pair
     model = int8.engine.model
@@ -101,7 +84,7 @@ def test_logits_and_greedy_tokens_track_fp32(pair) -> None:
         got = int8.chat(conv, GREEDY)[0].outputs[0].token_ids
         agree += sum(a == b for a, b in zip(want, got, strict=True))
         total += len(want)
-        ref, q = _step_logits(fp32, conv), _step_logits(int8, conv)
+        ref, q = step_logits(fp32, conv, GREEDY), step_logits(int8, conv, GREEDY)
         for step, (g, r) in enumerate(zip(q, ref, strict=True)):
             if got[:step] != want[:step]:
                 break

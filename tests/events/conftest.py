@@ -9,21 +9,14 @@ from typing import Any
 import pytest
 
 from tests.events.events_helpers import UIServer, make_config
-from tests.pipelines.pipeline_helpers import RedisServer
+from tests.pipelines.pipeline_helpers import (
+    RedisServer,
+    redis_server,  # noqa: F401  (fixture, re-exported)
+)
 
 
 @pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def config(redis_server: RedisServer, tmp_path: Path) -> Any:
+def config(redis_server: RedisServer, tmp_path: Path) -> Any:  # noqa: F811
     return make_config(redis_server.url, tmp_path / "events")
 
 

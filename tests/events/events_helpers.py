@@ -23,10 +23,11 @@ import redis
 
 from pipelines.queue import COMMIT_LUA
 from tests.pipelines.pipeline_helpers import (
-    REPO,
     build_config,
     free_port,
     kill_group,
+    spawn_logged,
+    wait_healthy,
     wait_until,
     write_config,
 )
@@ -194,20 +195,8 @@ class UIProcess:
     def start(self) -> UIProcess:
         cmd = [sys.executable, "-m", "vision_serve.cli", "ui", "--config", str(self.config_path)]
         cmd += ["--port", str(self.port)]
-        with open(self.log_path, "a") as log_file:
-            self.proc = subprocess.Popen(
-                cmd, cwd=REPO, start_new_session=True, stdout=log_file, stderr=subprocess.STDOUT
-            )
-
-        def healthy() -> bool:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"vision-serve ui exited: {self.log_path.read_text()[-3000:]}")
-            try:
-                return httpx.get(f"{self.url}/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(healthy, 30, interval=0.1, what="vision-serve ui /health")
+        self.proc = spawn_logged(cmd, self.log_path, mode="a")
+        wait_healthy(self.proc, f"{self.url}/health", self.log_path, "vision-serve ui", 30, 0.1)
         return self
 
     def stop(self, sig: int = 15) -> None:

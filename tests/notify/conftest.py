@@ -8,27 +8,16 @@ from pathlib import Path
 import pytest
 
 from tests.notify.notify_helpers import Mosquitto, WebhookReceiver
-from tests.pipelines.pipeline_helpers import RedisServer, VLMDouble
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+from tests.pipelines.pipeline_helpers import (
+    VLMDouble,
+    redis_server,  # noqa: F401  (fixture, re-exported)
+)
 
 
 @pytest.fixture
 def broker(tmp_path: Path) -> Iterator[Mosquitto]:
-    server = Mosquitto(tmp_path / "mosquitto")
-    server.start()
-    try:
+    with Mosquitto(tmp_path / "mosquitto") as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

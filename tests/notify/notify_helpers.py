@@ -10,7 +10,6 @@ from __future__ import annotations
 import getpass
 import json
 import shutil
-import signal
 import socket
 import subprocess
 import threading
@@ -27,10 +26,11 @@ import redis
 import yaml
 
 from tests.pipelines.pipeline_helpers import (
+    ServerProcess,
     TlsFiles,
+    WorkerThread,
     build_config,
     free_port,
-    kill_group,
     wait_until,
 )
 
@@ -40,7 +40,7 @@ WEBHOOK_SECRET = "hook-s3cret-" + uuid.uuid4().hex[:12]
 
 
 # --- Mosquitto -----------------------------------------------------------------------------
-class Mosquitto:
+class Mosquitto(ServerProcess):
     """``mosquitto`` on a free loopback port: no anonymous clients (a password file made with
     ``mosquitto_passwd``), persistence saved every second so a SIGKILL keeps sessions and
     retained messages; kill and restart it on the same port and data. ``tls``: TLS only."""
@@ -51,7 +51,6 @@ class Mosquitto:
         self.dir = workdir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
-        self.proc: subprocess.Popen | None = None
         passwords = self.dir / "passwords"
         subprocess.run(
             ["mosquitto_passwd", "-c", "-b", str(passwords), MQTT_USER, MQTT_PASSWORD],
@@ -100,16 +99,6 @@ class Mosquitto:
                 return s.connect_ex(("127.0.0.1", self.port)) == 0
 
         wait_until(ready, 10, what="mosquitto listening")
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is not None:
-            kill_group(self.proc, sig)
-            self.proc = None
-
-    def restart(self, sig: int = signal.SIGKILL, down_for: float = 0.0) -> None:
-        self.stop(sig)
-        time.sleep(down_for)
-        self.start()
 
     def saved_since(self, t: float) -> None:
         """Wait for an autosave after ``t``: what the broker held then survives a SIGKILL."""
@@ -378,41 +367,14 @@ def write_raw_config(path: Path, redis_url: str, cameras=("cam",), **notify: Any
     return path
 
 
-class NotifierThread:
-    """A ``Notifier`` on its own event loop in a thread, as one in-process notifier."""
+class NotifierThread(WorkerThread):
+    """A ``Notifier`` as one in-process notifier."""
 
     def __init__(self, config: Any, consumer: str = "test-notifier") -> None:
         from pipelines.notify.notifier import Notifier
 
         self.notifier = Notifier(config, consumer=consumer)
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="notifier", daemon=True)
-
-    def _run(self) -> None:
-        import asyncio
-
-        try:
-            asyncio.run(self.notifier.run())
-        except BaseException as exc:  # surfaced by stop()
-            self.error = exc
-
-    def start(self) -> NotifierThread:
-        self.thread.start()
-        wait_until(lambda: self.notifier._loop is not None, 5, what="notifier loop")
-        return self
-
-    def stop(self, timeout: float = 15.0) -> None:
-        self.notifier.request_stop()
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), "notifier did not stop"
-        if self.error is not None:
-            raise self.error
-
-    def __enter__(self) -> NotifierThread:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
+        super().__init__(self.notifier, "notifier", "notifier")
 
 
 def group_state(client: redis.Redis, stream: str, group: str) -> dict[str, int] | None:

@@ -5,8 +5,6 @@ nothing fails, and refusals and failures end in retries or dead letters that are
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 import time
 
 import pytest
@@ -30,6 +28,7 @@ from tests.pipelines.pipeline_helpers import (
     descriptions,
     enqueue_frames,
     free_port,
+    make_tls_files,
     wait_until,
 )
 
@@ -283,26 +282,11 @@ def test_no_sink_configured_is_an_error_at_start(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory) -> TlsFiles:
-    """A throwaway CA and a certificate it signed for 127.0.0.1 (EC keys: fast)."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl not installed: cannot make a test certificate")
-    d = tmp_path_factory.mktemp("tls")
-
-    def openssl(*args) -> None:
-        subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True, timeout=30)
-
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    openssl("req", "-x509", *ec, "-keyout", d / "ca.key", "-out", d / "ca.crt", "-days", "2",
-            "-subj", "/CN=vision-serve test CA")  # fmt: skip
-    openssl("req", *ec, "-keyout", d / "broker.key", "-out", d / "broker.csr",
-            "-subj", "/CN=localhost")  # fmt: skip
-    (d / "san.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    openssl("x509", "-req", "-in", d / "broker.csr", "-CA", d / "ca.crt", "-CAkey", d / "ca.key",
-            "-CAcreateserial", "-out", d / "broker.crt", "-days", "2",
-            "-extfile", d / "san.cnf")  # fmt: skip
-    for key in (d / "broker.key", d / "ca.key"):
+    """A throwaway CA and a certificate it signed for 127.0.0.1."""
+    tls = make_tls_files(tmp_path_factory.mktemp("tls"), "broker")
+    for key in (tls.key, tls.ca.with_name("ca.key")):
         key.chmod(0o644)  # mosquitto may read it as another user
-    return TlsFiles(cert=d / "broker.crt", key=d / "broker.key", ca=d / "ca.crt")
+    return tls
 
 
 def test_events_reach_a_broker_over_tls_checked_against_the_configured_ca(

@@ -1,6 +1,7 @@
 """Fixtures for the pipeline tests: real redis-server, RTSP server, detector and VLM server.
 
-The services themselves live in ``pipeline_helpers.py`` (importable by the tests too).
+The services themselves live in ``pipeline_helpers.py`` (importable by the tests too), and so
+do the fixtures other test packages share: ``redis_server``, ``video_frames``, ``video_file``.
 Redis runs with AOF ``appendonly yes`` + ``appendfsync always``: every write is fsynced
 before Redis replies, so even a SIGKILL restart keeps everything acknowledged.
 """
@@ -15,50 +16,25 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pipeline_helpers import (
+from pipeline_helpers import (  # noqa: F401  (redis_server, video_*: fixtures, re-exported)
     REPO,
-    RedisServer,
     RtspServer,
     VLMDouble,
     build_config,
     free_port,
     kill_group,
-    wait_until,
-    write_video_file,
-    write_video_frames,
+    redis_server,
+    spawn_logged,
+    video_file,
+    video_frames,
+    wait_healthy,
 )
 
 
 @pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis")
-    server.start()
-    try:
+def rtsp_server(video_frames: Path) -> Iterator[RtspServer]:  # noqa: F811
+    with RtspServer(video_frames) as server:
         yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="session")
-def video_frames(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A folder of numbered JPEGs: people (bus, zidane) alternating with empty grey frames."""
-    return write_video_frames(tmp_path_factory.mktemp("frames"))
-
-
-@pytest.fixture(scope="session")
-def video_file(video_frames: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The same frames as an MP4 file source (5 fps, 4 s), written with OpenCV."""
-    return write_video_file(video_frames, tmp_path_factory.mktemp("video") / "people.mp4")
-
-
-@pytest.fixture
-def rtsp_server(video_frames: Path) -> Iterator[RtspServer]:
-    server = RtspServer(video_frames)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -101,22 +77,10 @@ def vlm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log_path = model_dir.parent / "serve.log"
     serve = [sys.executable, "-m", "vision_serve.cli", "serve", "--model", str(model_dir)]
     serve += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny"]
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(
-            serve, cwd=REPO, start_new_session=True, stdout=log_file, stderr=subprocess.STDOUT
-        )
+    proc = spawn_logged(serve, log_path)
     try:
-        import httpx
-
-        def healthy() -> bool:
-            if proc.poll() is not None:
-                raise AssertionError(f"vision-serve serve exited: {log_path.read_text()[-3000:]}")
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(healthy, 180, interval=0.5, what="vision-serve serve /health")
+        health = f"http://127.0.0.1:{port}/health"
+        wait_healthy(proc, health, log_path, "vision-serve serve", 180, interval=0.5)
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         kill_group(proc)

@@ -4,6 +4,9 @@ Each service starts as a real process on a free loopback port, waits until it an
 kills its whole process group afterwards. Redis runs with AOF ``appendonly yes`` and
 ``appendfsync always``: every write is fsynced before Redis replies, so a restart (even
 SIGKILL) loses nothing that was acknowledged -- the restart tests rely on exactly that.
+
+The fixtures other test packages share (``redis_server``, ``video_frames``, ``video_file``)
+are defined here once; a conftest re-exports one by importing it.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ import subprocess
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 from urllib.parse import quote, urlencode
 
 import pytest
@@ -57,6 +61,31 @@ def wait_until(predicate: Any, timeout: float, interval: float = 0.05, what: str
         time.sleep(interval)
 
 
+def spawn_logged(cmd: list[str], log_path: Path, mode: str = "w") -> subprocess.Popen:
+    """Start ``cmd`` in the repo, in its own process group, stdout and stderr to ``log_path``."""
+    with open(log_path, mode) as log_file:
+        return subprocess.Popen(
+            cmd, cwd=REPO, start_new_session=True, stdout=log_file, stderr=subprocess.STDOUT
+        )
+
+
+def wait_healthy(
+    proc: subprocess.Popen, url: str, log_path: Path, what: str, timeout: float, interval: float
+) -> None:
+    """Poll ``url`` until it answers 200; fail with the log's tail if ``proc`` exits first."""
+    import httpx
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"{what} exited: {log_path.read_text()[-3000:]}")
+        try:
+            return httpx.get(url, timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(healthy, timeout, interval=interval, what=f"{what} {url}")
+
+
 def kill_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
     """Signal a process group, escalate to SIGKILL, and reap it."""
     if proc.poll() is not None:
@@ -71,6 +100,34 @@ def kill_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float
         proc.wait(5)
 
 
+class ServerProcess:
+    """A server run as its own process group: the subclass's ``start()`` returns once it
+    answers; ``stop`` kills the group; ``with server:`` runs it for the block."""
+
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None:
+            kill_group(self.proc, sig)
+            self.proc = None
+
+    def restart(self, sig: int = signal.SIGKILL, down_for: float = 0.0) -> None:
+        """Kill (default: SIGKILL, no final save) and start again on the same port and data."""
+        self.stop(sig)
+        time.sleep(down_for)
+        self.start()
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
 # --- Redis ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TlsFiles:
@@ -81,7 +138,28 @@ class TlsFiles:
     ca: Path
 
 
-class RedisServer:
+def make_tls_files(d: Path, name: str) -> TlsFiles:
+    """A throwaway CA (``ca.crt``, ``ca.key``) and a certificate it signed for 127.0.0.1 and
+    localhost (``<name>.crt``, ``<name>.key``), in ``d``; EC keys: fast."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed: cannot make a test certificate")
+
+    def openssl(*args: str | Path) -> None:
+        subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True, timeout=30)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    openssl("req", "-x509", *ec, "-keyout", d / "ca.key", "-out", d / "ca.crt",
+            "-days", "2", "-subj", "/CN=vision-serve test CA")  # fmt: skip
+    openssl("req", *ec, "-keyout", d / f"{name}.key", "-out", d / f"{name}.csr",
+            "-subj", "/CN=localhost")  # fmt: skip
+    (d / "san.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    openssl("x509", "-req", "-in", d / f"{name}.csr", "-CA", d / "ca.crt", "-CAkey", d / "ca.key",
+            "-CAcreateserial", "-out", d / f"{name}.crt", "-days", "2",
+            "-extfile", d / "san.cnf")  # fmt: skip
+    return TlsFiles(cert=d / f"{name}.crt", key=d / f"{name}.key", ca=d / "ca.crt")
+
+
+class RedisServer(ServerProcess):
     """A private redis-server with AOF (appendfsync always) that tests may kill and restart.
 
     By default it needs no password. ``password`` alone sets the default user's password
@@ -113,7 +191,6 @@ class RedisServer:
         self.acl = acl
         self.tls = tls
         self.url = self._url()
-        self.proc: subprocess.Popen | None = None
 
     def _url(self) -> str:
         auth = ""
@@ -178,17 +255,6 @@ class RedisServer:
         wait_until(ready, 15, what="redis-server ready")
         client.close()
 
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is not None:
-            kill_group(self.proc, sig)
-            self.proc = None
-
-    def restart(self, sig: int = signal.SIGKILL, down_for: float = 0.0) -> None:
-        """Kill (default: SIGKILL, no final save) and start again on the same port and data."""
-        self.stop(sig)
-        time.sleep(down_for)
-        self.start()
-
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.url, socket_timeout=5, socket_connect_timeout=2)
 
@@ -209,7 +275,7 @@ def is_blank(image: np.ndarray) -> bool:
     return float(image.std()) < 8.0
 
 
-class RtspServer:
+class RtspServer(ServerProcess):
     """``scripts/rtsp_server.py`` under Debian's python3 (the only one with GStreamer's gi)."""
 
     def __init__(self, images: Path, fps: int = 5, mounts: tuple[str, ...] = ("/cam",)) -> None:
@@ -219,7 +285,6 @@ class RtspServer:
         self.fps = fps
         self.mounts = mounts
         self.port = free_port()
-        self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
@@ -250,11 +315,6 @@ class RtspServer:
         with socket.socket() as s:
             s.settimeout(0.5)
             return s.connect_ex(("127.0.0.1", self.port)) == 0
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is not None:
-            kill_group(self.proc, sig)
-            self.proc = None
 
 
 # --- detector ------------------------------------------------------------------------------
@@ -356,27 +416,27 @@ def write_config(path: Path, config: Any) -> Path:
     return path
 
 
-class DescriberThread:
-    """Runs a ``Describer`` on its own event loop in a thread, as one in-process worker."""
+class WorkerThread:
+    """A ``RedisWorker`` (describer, notifier) on its own event loop in a thread, as one
+    in-process worker; ``kind`` names it in failures."""
 
-    def __init__(self, config: Any, consumer: str) -> None:
-        from pipelines.describe import Describer
-
-        self.describer = Describer(config, consumer=consumer)
+    def __init__(self, worker: Any, kind: str, thread_name: str) -> None:
+        self.worker = worker
+        self.kind = kind
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name=f"describer-{consumer}", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
 
     def _run(self) -> None:
         import asyncio
 
         try:
-            asyncio.run(self.describer.run())
+            asyncio.run(self.worker.run())
         except BaseException as exc:  # surfaced by stop()
             self.error = exc
 
-    def start(self) -> DescriberThread:
+    def start(self) -> Self:
         self.thread.start()
-        wait_until(lambda: self.describer._loop is not None, 5, what="describer loop")
+        wait_until(lambda: self.worker._loop is not None, 5, what=f"{self.kind} loop")
         return self
 
     @property
@@ -384,11 +444,27 @@ class DescriberThread:
         return self.thread.is_alive()
 
     def stop(self, timeout: float = 15.0) -> None:
-        self.describer.request_stop()
+        self.worker.request_stop()
         self.thread.join(timeout)
-        assert not self.thread.is_alive(), "describer did not stop"
+        assert not self.thread.is_alive(), f"{self.kind} did not stop"
         if self.error is not None:
             raise self.error
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+class DescriberThread(WorkerThread):
+    """A ``Describer`` as one in-process worker."""
+
+    def __init__(self, config: Any, consumer: str) -> None:
+        from pipelines.describe import Describer
+
+        self.describer = Describer(config, consumer=consumer)
+        super().__init__(self.describer, "describer", f"describer-{consumer}")
 
 
 def enqueue_frames(redis_url: str, queue_cfg: Any, n: int, camera: str = "cam", age: float = 0.0):
@@ -482,3 +558,24 @@ def write_video_file(frames: Path, path: Path) -> Path:
             writer.write(image)
     writer.release()
     return path
+
+
+# --- fixtures shared with other test packages ----------------------------------------------
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A private redis-server without a password; for one with a password, an ACL user or TLS,
+    ``with RedisServer(path, password=..., tls=...) as server``."""
+    with RedisServer(tmp_path / "redis") as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def video_frames(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of numbered JPEGs: people (bus, zidane) alternating with empty grey frames."""
+    return write_video_frames(tmp_path_factory.mktemp("frames"))
+
+
+@pytest.fixture(scope="session")
+def video_file(video_frames: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same frames as an MP4 file source (5 fps, 4 s), written with OpenCV."""
+    return write_video_file(video_frames, tmp_path_factory.mktemp("video") / "people.mp4")

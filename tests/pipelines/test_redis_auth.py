@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import re
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -27,6 +26,7 @@ from pipeline_helpers import (
     TlsFiles,
     descriptions,
     enqueue_frames,
+    make_tls_files,
     pending_count,
     wait_until,
 )
@@ -43,15 +43,9 @@ SECRETS = (PASSWORD, quote(PASSWORD, safe=""), WRONG)
 REFUSED = "invalid username-password pair"
 
 
-def _openssl(*args: str | Path) -> None:
-    subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True, timeout=30)
-
-
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
-    """A CA and a certificate for 127.0.0.1 / localhost that it signed (EC keys: fast)."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl not installed: cannot make a test certificate")
+    """A CA and a certificate for 127.0.0.1 / localhost that it signed."""
     probe = subprocess.run(
         ["redis-server", "--port", "0", "--tls-port", "0", "--save", ""],
         capture_output=True,
@@ -60,17 +54,7 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
     )
     if "Bad directive" in probe.stdout + probe.stderr:
         pytest.skip("this redis-server was built without TLS (BUILD_TLS=no)")
-    d = tmp_path_factory.mktemp("tls")
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl("req", "-x509", *ec, "-keyout", d / "ca.key", "-out", d / "ca.crt",
-             "-days", "2", "-subj", "/CN=vision-serve test CA")  # fmt: skip
-    _openssl("req", *ec, "-keyout", d / "redis.key", "-out", d / "redis.csr",
-             "-subj", "/CN=localhost")  # fmt: skip
-    (d / "san.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    _openssl("x509", "-req", "-in", d / "redis.csr", "-CA", d / "ca.crt", "-CAkey", d / "ca.key",
-             "-CAcreateserial", "-out", d / "redis.crt", "-days", "2",
-             "-extfile", d / "san.cnf")  # fmt: skip
-    return TlsFiles(cert=d / "redis.crt", key=d / "redis.key", ca=d / "ca.crt")
+    return make_tls_files(tmp_path_factory.mktemp("tls"), "redis")
 
 
 def _server(kind: str, workdir: Path, tls_files: Any) -> RedisServer:
@@ -86,22 +70,14 @@ def _server(kind: str, workdir: Path, tls_files: Any) -> RedisServer:
 @pytest.fixture(params=["password", "acl_user", "tls"])
 def secured_redis(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RedisServer]:
     tls = request.getfixturevalue("tls_files") if request.param == "tls" else None
-    server = _server(request.param, tmp_path / "redis", tls)
-    server.start()
-    try:
+    with _server(request.param, tmp_path / "redis", tls) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
 def password_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis", password=PASSWORD)
-    server.start()
-    try:
+    with RedisServer(tmp_path / "redis", password=PASSWORD) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def _without_credentials(url: str) -> str:
@@ -206,16 +182,12 @@ def test_describer_with_a_wrong_password_logs_the_refusal_not_the_password(
 def test_a_tls_url_without_our_ca_fails_on_the_certificate_at_once(
     tls_files: TlsFiles, tmp_path: Path
 ) -> None:
-    server = RedisServer(tmp_path / "redis", password=PASSWORD, tls=tls_files)
-    server.start()
-    try:
+    with RedisServer(tmp_path / "redis", password=PASSWORD, tls=tls_files) as server:
         untrusted = server.url.split("?", 1)[0] + "?ssl_cert_reqs=required"
         t0 = time.monotonic()
         with pytest.raises(redis.ConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
             redis.Redis.from_url(untrusted, socket_connect_timeout=2).ping()
         assert time.monotonic() - t0 < 2.0
-    finally:
-        server.stop()
 
 
 @pytest.mark.parametrize(

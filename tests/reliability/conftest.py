@@ -1,6 +1,6 @@
 """Fixtures for the reliability tests: the server tests' tiny checkpoint, and a real engine
 behind real uvicorn on loopback for this package (faults are injected into it, so it is not
-shared with ``tests/server``)."""
+shared with ``tests/server``); the pipeline tests' Redis and video for the camera stack."""
 
 from __future__ import annotations
 
@@ -9,6 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.pipelines.pipeline_helpers import (  # noqa: F401  (fixtures, re-exported)
+    redis_server,
+    video_file,
+    video_frames,
+)
 from tests.server.conftest import checkpoint  # noqa: F401  (session fixture, re-exported)
 from tests.server.support import ServerHandle, make_engine, start_server
 from vision_serve.settings import ServerSettings

@@ -34,8 +34,6 @@ from tests.pipelines.pipeline_helpers import (
     kill_group,
     wait_until,
     write_config,
-    write_video_file,
-    write_video_frames,
 )
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
@@ -149,26 +147,6 @@ class Stack:
         for path in self.tmp.glob("*.log"):
             assert "Traceback" not in path.read_text(), path.read_text()[-3000:]
         return acc
-
-
-@pytest.fixture(scope="module")
-def video_frames(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_video_frames(tmp_path_factory.mktemp("frames"))
-
-
-@pytest.fixture(scope="module")
-def video_file(video_frames: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_video_file(video_frames, tmp_path_factory.mktemp("video") / "people.mp4")
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
