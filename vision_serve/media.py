@@ -148,7 +148,9 @@ class MediaLoader:
 
     async def _fetch(self, url: str, param: str) -> bytes:
         try:
-            host = urllib.parse.urlsplit(url).hostname or ""
+            parts = urllib.parse.urlsplit(url)
+            host = parts.hostname or ""
+            parts.port  # noqa: B018  (raises on a port that is not a number in range)
         except ValueError:
             raise bad_request(
                 "malformed image URL", param=param, code="invalid_image_url"
