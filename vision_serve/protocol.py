@@ -82,6 +82,8 @@ def _lone_surrogate_at(value: Any, path: str = "") -> str | None:
     """The OpenAI-style path (``messages[0].content``) of the first string in a parsed JSON
     value that is not encodable as UTF-8, or None."""
     if isinstance(value, str):
+        if value.isascii():  # the common case (base64 images included): no copy
+            return None
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
