@@ -145,6 +145,11 @@ class QueueConfig(Section):
     local_buffer: int = Field(64, ge=1, description="frames held while Redis is unreachable")
     dedupe_prefix: str = "vs:enqueued:"
     producer_prefix: str = "vs:producer:"
+    camera_prefix: str = Field(
+        "vs:camera:",
+        description="<camera_prefix><camera id>: the pipeline's live numbers for the camera, "
+        "refreshed every heartbeat_s, expiring after three (a stopped pipeline's go offline)",
+    )
     instance: str | None = Field(
         None,
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$",
@@ -152,7 +157,10 @@ class QueueConfig(Section):
         "hostname); one running pipeline per name, kept across its restarts",
     )
     heartbeat_s: float = Field(
-        1.0, gt=0, description="how often the pipeline records its locally buffered frames"
+        1.0,
+        gt=0,
+        description="how often the pipeline records its locally buffered frames and its "
+        "cameras' live numbers",
     )
     producer_ttl_s: int = Field(
         86400, ge=1, description="how long a stopped pipeline's record waits for its restart"

@@ -57,6 +57,7 @@ class CameraStats:
     dropped: dict[str, int] = field(default_factory=dict)
     last_error: str = ""
     decoded_fps: float = 0.0
+    last_frame_ts: float = 0.0  # wall time of the newest sampled frame
 
 
 class LatestFrameSlot:
@@ -201,6 +202,7 @@ class CameraReader:
             self.stats.sampled += 1
             metrics.CAMERA_SAMPLED.labels(self.camera.id).inc()
             wall = time.time()
+            self.stats.last_frame_ts = wall
             metrics.CAMERA_LAST_FRAME.labels(self.camera.id).set(wall)
             self.slot.put(Frame(self.camera.id, self._seq, wall, image))
             if self._on_frame is not None:

@@ -8,6 +8,7 @@ that a stage cannot take in time is replaced by a newer one and counted as dropp
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -47,10 +48,13 @@ class CameraPipeline:
             cam.id: CameraReader(cam, config.ingest, on_frame=self._wake.set)
             for cam in config.cameras
         }
-        self.queue = FrameQueue(config.redis_url, config.queue, on_drop=self._count_drop)
+        self.queue = FrameQueue(
+            config.redis_url, config.queue, on_drop=self._count_drop, live=self.live_numbers
+        )
         self.overrides = {cam.id: cam.detector for cam in config.cameras}
         self.detected: Counter[str] = Counter()  # frames through the detector, per camera
         self.sent: Counter[str] = Counter()  # frames the gate passed, per camera
+        self.persons: dict[str, int] = {}  # detections in each camera's latest frame
         self.batches = 0
         self.detect_seconds = 0.0
         self._next_camera = 0
@@ -61,6 +65,28 @@ class CameraPipeline:
             reader.count_drop(reason)
         else:
             metrics.FRAMES_DROPPED.labels(camera_id, reason).inc()
+
+    def live_numbers(self) -> dict[str, dict[str, str]]:
+        """Each camera's live numbers for its ``camera:<id>`` hash (``queue.CAMERA_FIELDS``);
+        called on the producer's thread, so it only reads plain counters."""
+        out: dict[str, dict[str, str]] = {}
+        for camera_id, reader in self.readers.items():
+            stats = reader.stats
+            out[camera_id] = {
+                "connected": "1" if stats.connected and reader.alive else "0",
+                "decoded_fps": f"{stats.decoded_fps:.2f}",
+                "decoded": str(stats.decoded),
+                "sampled": str(stats.sampled),
+                "detected": str(self.detected[camera_id]),
+                "gated": str(self.sent[camera_id]),
+                "enqueued": str(self.queue.enqueued_by_camera[camera_id]),
+                "dropped": json.dumps(dict(stats.dropped), sort_keys=True),
+                "reconnects": str(stats.reconnects),
+                "last_frame_ts": f"{stats.last_frame_ts:.3f}",
+                "persons": str(self.persons.get(camera_id, 0)),
+                "last_error": stats.last_error[:200],
+            }
+        return out
 
     def stop(self) -> None:
         """Ask ``run()`` to return (safe from a signal handler or another thread)."""
@@ -106,6 +132,7 @@ class CameraPipeline:
         for frame, dets in zip(frames, detections, strict=True):
             self.detected[frame.camera_id] += 1
             metrics.CAMERA_PERSONS.labels(frame.camera_id).set(len(dets))
+            self.persons[frame.camera_id] = len(dets)
             verdict = self.gate.decide(frame.camera_id, len(dets), frame.ts)
             if verdict.send:
                 self.sent[frame.camera_id] += 1

@@ -9,10 +9,15 @@ Layout (names from ``QueueConfig``):
   cannot hold gigabytes of images.
 - ``enqueued:<frame_uid>`` string: the stream entry id of an enqueued frame, kept as long as
   the frame may still be sent (``max(image_ttl_s, max_frame_age_s)``).
-- ``descriptions`` stream and ``latest:<camera>`` hash: results.
+- ``descriptions`` stream and ``latest:<camera>`` hash: results. Each entry appended to
+  the descriptions (or dead-letter) stream carries ``n``, its number in that stream (stats
+  field ``appended:<stream>``), so a reader can count entries trimmed before it read them.
 - ``frames:dead`` stream: frames given up on, with the reason.
 - ``producer:<instance>`` hash: a running pipeline's ``run`` id, the frames it holds
   unsent (``buffered``) and its last ``heartbeat``.
+- ``camera:<id>`` hash: the camera's live numbers from the pipeline that reads it
+  (``CAMERA_FIELDS``), written every ``heartbeat_s`` with a TTL of three heartbeats: a
+  pipeline that stopped or lost Redis leaves no frozen numbers, its cameras read as offline.
 - ``stats`` hash: cluster-wide counters, below.
 
 Frame identity: ``frame_uid = <camera>:<run>:<seq>``, where ``run`` is random per pipeline
@@ -40,7 +45,8 @@ Frames that never reach the stream are counted under their own names, outside th
 ``encode_failed``, ``expired``) and ``lost:crash`` (frames a killed pipeline held, from its
 producer record: its successor under the same instance name adds them at start). Drops
 counted while Redis is unreachable are kept in the process and added on the next contact.
-``trimmed`` counts acknowledged entries removed from the stream; it is not an outcome.
+``trimmed`` counts acknowledged entries removed from the stream; it is not an outcome, and
+neither is ``appended:<stream>``.
 
 Trimming never removes a frame that still needs a worker: the enqueue script trims
 with ``XTRIM MINID`` to at most ``maxlen`` entries, bounded by the oldest pending entry and
@@ -149,6 +155,7 @@ COMMIT_LUA = """
 -- KEYS: frames stream, output stream, latest hash, stats hash[, image key to delete]
 -- ARGV: group, entry id, outcome (described|dead|expired), stats field, output maxlen,
 --       then field/value pairs of the output entry
+-- each appended output entry carries n: its number in that stream (appended:<stream>)
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
   redis.call('HINCRBY', KEYS[4], 'duplicate_discarded', 1)
   return 0
@@ -156,7 +163,8 @@ end
 local fields = {}
 for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
 if ARGV[3] == 'described' or ARGV[3] == 'dead' then
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', unpack(fields))
+  local n = redis.call('HINCRBY', KEYS[4], 'appended:' .. KEYS[2], 1)
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', 'n', n, unpack(fields))
 end
 if ARGV[3] == 'described' then
   redis.call('HSET', KEYS[3], unpack(fields))
@@ -215,6 +223,14 @@ if redis.call('EXISTS', KEYS[2]) == 1 then
 end
 return {redis.call('HGETALL', KEYS[1]), in_pel, undelivered}
 """
+
+
+# the ``camera:<id>`` hash: per camera from ``FrameQueue(live=...)``, then the sender's own
+CAMERA_FIELDS = (
+    "connected", "decoded_fps", "decoded", "sampled", "detected", "gated", "enqueued",
+    "dropped", "reconnects", "last_frame_ts", "persons", "last_error",
+    "instance", "run", "updated", "ttl_s", "stopped",
+)  # fmt: skip
 
 
 def connect(url: str, block_ms: int = 0) -> redis.Redis:
@@ -376,7 +392,9 @@ class FrameQueue:
     ``expired``, and the thread reconnects with backoff. Drops are counted in Redis too
     (``dropped:<reason>``, added on the next contact), and every ``heartbeat_s`` the thread
     records how many frames it holds in ``producer:<instance>``, so a SIGKILL leaves a trace
-    that the next run under the same instance name counts (``lost:crash``).
+    that the next run under the same instance name counts (``lost:crash``). On the same beat
+    it writes each camera's ``camera:<id>`` hash from ``live()`` (the detector loop never
+    waits on Redis for it).
     """
 
     def __init__(
@@ -385,8 +403,13 @@ class FrameQueue:
         cfg: QueueConfig,
         on_drop: Callable[[str, str], None],
         client: redis.Redis | None = None,
+        live: Callable[[], dict[str, dict[str, str]]] | None = None,
     ) -> None:
         self.cfg = cfg
+        self._live = live  # camera id -> its live numbers (CAMERA_FIELDS), as strings
+        self._live_ttl_ms = max(1, round(3 * cfg.heartbeat_s * 1000))
+        self._live_failed = False
+        self.enqueued_by_camera: Counter[str] = Counter()
         self.client = client or connect(redis_url)
         self._enqueue = self.client.register_script(ENQUEUE_LUA)
         self._producer = self.client.register_script(PRODUCER_LUA)
@@ -471,6 +494,7 @@ class FrameQueue:
             if not self._started:
                 self._report("start")
             self._report("stop")
+            self._publish_live(stopped=True)
         except redis.RedisError as exc:  # the record stays: the next run counts the buffer
             log.warning(kv("producer_unreported", instance=self.instance, error=exc))
 
@@ -525,10 +549,36 @@ class FrameQueue:
         self._next_beat = now + self.cfg.heartbeat_s
         try:
             self._report("beat" if self._started else "start")
+            self._publish_live()
         except REDIS_DOWN:
             raise
         except redis.RedisError as exc:
             log.warning(kv("producer_record_refused", instance=self.instance, error=exc))
+
+    def _publish_live(self, stopped: bool = False) -> None:
+        """Write each camera's ``camera:<id>`` hash (one round trip), TTL three heartbeats."""
+        if self._live is None:
+            return
+        try:
+            cameras = self._live()
+        except Exception as exc:  # a bug in the numbers must not stop the frames
+            if not self._live_failed:
+                log.exception(kv("camera_live_failed", error=repr(exc)))
+            self._live_failed = True
+            return
+        own = {
+            "instance": self.instance,
+            "run": self.run_id,
+            "updated": f"{time.time():.3f}",
+            "ttl_s": f"{self._live_ttl_ms / 1000:g}",
+            "stopped": "1" if stopped else "0",
+        }
+        pipe = self.client.pipeline(transaction=False)
+        for camera, numbers in cameras.items():
+            key = f"{self.cfg.camera_prefix}{camera}"
+            pipe.hset(key, mapping={**numbers, **own})
+            pipe.pexpire(key, self._live_ttl_ms)
+        pipe.execute()
 
     # -- the thread --------------------------------------------------------------------
     def _next(self) -> Outgoing | None:
@@ -624,6 +674,7 @@ class FrameQueue:
             self._drop(camera, "queue_full")
             return
         self.enqueued += 1
+        self.enqueued_by_camera[camera] += 1
         metrics.FRAMES_ENQUEUED.labels(camera).inc()
         if duplicate:  # the reply to an earlier try was lost: that try enqueued it
             self.duplicates += 1

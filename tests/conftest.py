@@ -58,3 +58,17 @@ FAMILY_PARAMS = [FAMILIES[0], *(pytest.param(f, marks=pytest.mark.slow) for f in
 def tiny_checkpoint(request, checkpoint_factory) -> Path:
     """Parametrised over both families: a test using it runs once per family."""
     return checkpoint_factory(request.param)
+
+
+@pytest.fixture(scope="session")
+def docker_compose() -> None:
+    """Tests of compose.yaml run ``docker compose config``: only the client is needed (no
+    engine), but not every machine's client has the compose plugin."""
+    import shutil
+    import subprocess
+
+    if shutil.which("docker") is None:
+        pytest.skip("no docker client on this machine")
+    probe = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip("the docker client has no compose plugin")

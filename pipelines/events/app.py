@@ -41,6 +41,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pipelines.config import PipelineConfig
 from pipelines.events.consumer import EventConsumer
+from pipelines.events.live import camera_records, describer_lag, queued_per_camera
 from pipelines.events.retention import RetentionLoop
 from pipelines.events.store import EventStore, QueryError
 from pipelines.logs import kv
@@ -373,17 +374,20 @@ def create_app(config: PipelineConfig) -> FastAPI:
 
     @api.get("/cameras")
     def cameras() -> dict[str, Any]:
-        """Each camera's latest event, plus the queue's live numbers from Redis."""
+        """Each camera's latest event and live numbers (``live``: from the pipeline reading
+        it, null when none does; ``queued``: frames waiting for a describer; ``describer_lag_s``:
+        capture -> description of its latest description), plus the queue's numbers."""
         latest = store.latest_per_camera()
         ids = [c.id for c in config.cameras]
         ids += sorted(set(latest) - set(ids))
-        live_info, redis_latest = _live(ids)
+        live_info, redis_latest, per_camera = _live(ids)
         data = [
             {
                 "id": cam,
                 "configured": config.camera(cam) is not None,
                 "latest": latest.get(cam),
                 "redis_latest": redis_latest.get(cam),
+                **per_camera.get(cam, {"live": None, "queued": None, "describer_lag_s": None}),
             }
             for cam in ids
         ]
@@ -403,10 +407,12 @@ def create_app(config: PipelineConfig) -> FastAPI:
             },
         }
 
-    def _live(ids: list[str]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-        """What Redis knows now, and each camera's latest description there (``latest:``
-        hash). Never fails the request: Redis may be down. Per-camera fps and drops are
-        Prometheus-only (the pipeline's /metrics), so they are not here."""
+    def _live(
+        ids: list[str],
+    ) -> tuple[dict[str, Any], dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+        """What Redis knows now: the queue, each camera's latest description there
+        (``latest:`` hash) and its live numbers (``pipelines/events/live.py``). Never fails
+        the request: Redis may be down."""
         q = config.queue
         keys = ("frame_uid", "ts", "described_at", "persons")
         try:
@@ -430,9 +436,19 @@ def create_app(config: PipelineConfig) -> FastAPI:
                     per_camera[cam] = {
                         k: None if v is None else v.decode() for k, v in zip(keys, raw, strict=True)
                     }
-            return info, per_camera
+            records = camera_records(live, q, ids)
+            queued = queued_per_camera(live, q)
+            numbers = {
+                cam: {
+                    "live": records.get(cam),
+                    "queued": queued.get(cam, 0),
+                    "describer_lag_s": describer_lag(per_camera.get(cam)),
+                }
+                for cam in ids
+            }
+            return info, per_camera, numbers
         except redis.RedisError as exc:
-            return {"error": f"redis unavailable ({type(exc).__name__})"}, {}
+            return {"error": f"redis unavailable ({type(exc).__name__})"}, {}, {}
 
     app.include_router(api)
 

@@ -30,7 +30,11 @@ class EventsConfig(_Section):
     data_dir: str = Field(
         "./data/events", description="events.db (SQLite) and snapshots/<camera>/<day>/"
     )
-    group: str = Field("events", description="consumer group on queue.descriptions_stream")
+    group: str = Field(
+        "events",
+        description="consumer group on queue.descriptions_stream; one ui per group (each "
+        "counts gaps in the entries it reads as lost:trimmed_unread)",
+    )
     consumer: str = Field(
         "ui",
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$",

@@ -20,6 +20,15 @@ Delivery contract (why each piece exists):
 - Entries that are not descriptions (expired frames carry ``reason`` and no ``text``) are
   acknowledged and counted ``skipped:<reason>``; entries trimmed from the stream before they
   were read back are counted ``lost:trimmed``.
+- Entries trimmed before this group ever read them (the ui was down longer than
+  ``queue.descriptions_maxlen`` descriptions) leave no trace in the stream, so each entry
+  carries ``n``, its number in the stream (``COMMIT_LUA``). The highest ``n`` read is kept in
+  the store (mark ``descriptions_n``, committed with the events), and a jump of more than one
+  is counted ``lost:trimmed_unread`` (less any pending entries of that stretch already counted
+  ``lost:trimmed``) and logged. Entries without ``n`` (older describers) are not checked; a
+  newly delivered ``n`` at or below the mark means Redis lost its counter: numbering restarts.
+  This assumes one consumer per group: two uis sharing ``events.group`` each see part of the
+  stream and would count the other's entries as gaps (give each ui its own group).
 - Redis or the disk failing: nothing is acknowledged, the batch is retried with backoff.
 """
 
@@ -45,8 +54,20 @@ from pipelines.worker import ThreadWorker, log_redis_down
 log = logging.getLogger(__name__)
 
 
+N_MARK = "descriptions_n"  # store mark: the highest entry number (``n``) read
+
+
 def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _number(value: str | None) -> int | None:
+    """An entry's ``n``; None when absent (an older writer) or not a positive integer."""
+    try:
+        n = int(value) if value else None
+    except ValueError:
+        return None
+    return n if n is not None and n > 0 else None
 
 
 class EventConsumer(ThreadWorker):
@@ -72,6 +93,8 @@ class EventConsumer(ThreadWorker):
         self._backlog_cursor = "0"
         self._claim_cursor = "0-0"
         self._next_claim = 0.0
+        self._high = store.mark(N_MARK) or 0  # highest ``n`` committed to the store
+        self._trimmed_in_gap = 0  # pending entries counted lost:trimmed since that n
 
     # -- lifecycle (start, alive: ``ThreadWorker``) ----------------------------------------
     def stop(self, timeout: float = 10.0) -> None:
@@ -156,7 +179,7 @@ class EventConsumer(ThreadWorker):
             block=self.e.block_ms,
         )
         for _stream, entries in reply or []:
-            self.handle(entries)
+            self.handle(entries, new=True)
 
     def _reclaim(self) -> None:
         """Take over entries idle past ``claim_idle_s`` under another consumer name."""
@@ -172,24 +195,39 @@ class EventConsumer(ThreadWorker):
         deleted = reply[2] if len(reply) > 2 else []
         if deleted:  # XAUTOCLAIM already dropped them from the pending list
             self.store.count(Counter({"lost:trimmed": len(deleted)}))
+            self._trimmed_in_gap += len(deleted)
         entries = [(i, f) for i, f in reply[1] or [] if f is not None]
         if entries:
             log.info(kv("events_reclaimed", entries=len(entries), consumer=self.consumer))
             self.handle(entries)
 
-    def handle(self, entries: list[tuple[Any, Any]]) -> None:
-        """Store a batch of stream entries, then acknowledge them all."""
+    def handle(self, entries: list[tuple[Any, Any]], new: bool = False) -> None:
+        """Store a batch of stream entries, then acknowledge them all. ``new``: newly
+        delivered (``>``), not re-read from a pending list."""
         counts: Counter[str] = Counter()
         events: dict[str, NewEvent] = {}
         images: dict[str, str] = {}  # event id -> Redis key of its JPEG
         ack: list[str] = []
+        high, trimmed_in_gap = self._high, self._trimmed_in_gap
         for raw_id, raw in entries:
             entry_id = _s(raw_id)
             ack.append(entry_id)
             if not raw:  # read back from the pending list after it was trimmed away
                 counts["lost:trimmed"] += 1
+                trimmed_in_gap += 1
                 continue
             f = {_s(k): _s(v) for k, v in raw.items()}
+            n = _number(f.get("n"))
+            if n is not None and n > high:
+                gap = max(0, n - high - 1 - trimmed_in_gap)
+                if gap:
+                    counts["lost:trimmed_unread"] += gap
+                    log.warning(kv("descriptions_trimmed_unread", entries=gap, after_n=high,
+                                   next_n=n, group=self.e.group))  # fmt: skip
+                high, trimmed_in_gap = n, 0
+            elif n is not None and new:  # never delivered, yet not above the mark
+                log.info(kv("descriptions_numbering_restarted", n=n, mark=high))
+                high, trimmed_in_gap = n, 0
             if "text" not in f:
                 counts[f"skipped:{f.get('reason') or 'no_text'}"] += 1
                 continue
@@ -203,7 +241,9 @@ class EventConsumer(ThreadWorker):
         fresh = [e for i, e in events.items() if i not in stored]
         counts["duplicate"] += len(stored)
         self._snapshots(fresh, images, counts)
-        seqs = self.store.add(fresh, counts) if fresh or counts else []
+        marks = {N_MARK: high} if high != self._high else {}
+        seqs = self.store.add(fresh, counts, marks) if fresh or counts or marks else []
+        self._high, self._trimmed_in_gap = high, trimmed_in_gap
         if ack:
             self.client.xack(self.q.descriptions_stream, self.e.group, *ack)
         self.counts.update(counts)

@@ -88,6 +88,8 @@ CREATE TABLE IF NOT EXISTS event_history (
 CREATE INDEX IF NOT EXISTS event_history_by_event ON event_history(event_seq);
 
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+-- values the consumer keeps across restarts (descriptions_n: the highest entry number read)
+CREATE TABLE IF NOT EXISTS marks (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 
 CREATE VIRTUAL TABLE IF NOT EXISTS events_fts USING fts5(
     text, content='events', content_rowid='seq', tokenize='porter unicode61 remove_diacritics 2'
@@ -352,9 +354,15 @@ class EventStore:
         event.snapshot_bytes += len(buf)
         return True
 
-    def add(self, events: list[NewEvent], counts: Counter[str] | None = None) -> list[int]:
-        """Insert events and add ``counts`` to the counters, in one transaction; an id that is
-        already stored is skipped (counted ``duplicate``). Returns the new events' seqs."""
+    def add(
+        self,
+        events: list[NewEvent],
+        counts: Counter[str] | None = None,
+        marks: dict[str, int] | None = None,
+    ) -> list[int]:
+        """Insert events, add ``counts`` to the counters and set ``marks``, in one transaction;
+        an id that is already stored is skipped (counted ``duplicate``). Returns the new
+        events' seqs."""
         counts = Counter(counts or {})
         names = [f.name for f in fields(NewEvent)]
         sql = (
@@ -372,6 +380,11 @@ class EventStore:
                 else:
                     counts["duplicate"] += 1
             self._count(conn, counts)
+            conn.executemany(
+                "INSERT INTO marks(name, value) VALUES (?, ?) "
+                "ON CONFLICT(name) DO UPDATE SET value = excluded.value",
+                list((marks or {}).items()),
+            )
         return seqs
 
     def count(self, counts: Counter[str]) -> None:
@@ -509,6 +522,10 @@ class EventStore:
     def counters(self) -> dict[str, int]:
         rows = self._db().execute("SELECT name, value FROM counters ORDER BY name")
         return {r[0]: int(r[1]) for r in rows}
+
+    def mark(self, name: str) -> int | None:
+        row = self._db().execute("SELECT value FROM marks WHERE name = ?", (name,)).fetchone()
+        return None if row is None else int(row[0])
 
     def count_events(self) -> int:
         return int(self._db().execute("SELECT count(*) FROM events").fetchone()[0])

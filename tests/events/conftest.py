@@ -9,9 +9,11 @@ from typing import Any
 import pytest
 
 from tests.events.events_helpers import UIServer, make_config
-from tests.pipelines.pipeline_helpers import (
+from tests.pipelines.pipeline_helpers import (  # noqa: F401  (fixtures, re-exported)
     RedisServer,
-    redis_server,  # noqa: F401  (fixture, re-exported)
+    redis_server,
+    video_file,
+    video_frames,
 )
 
 

@@ -229,3 +229,45 @@ def decode_jpeg(data: bytes) -> np.ndarray:
     image = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
     assert image is not None, "not a JPEG"
     return image
+
+
+class PipelineRunner:
+    """The real ``CameraPipeline`` (camera readers, the untrained YOLO26n, gate, producer)
+    on a thread, for the live numbers it writes to Redis; ``stop()`` is a clean shutdown."""
+
+    def __init__(self, config: Any) -> None:
+        from pipelines.detect import Detector
+        from pipelines.pipeline import CameraPipeline
+
+        self.pipeline = CameraPipeline(config, Detector(config.detector))
+        self.thread = threading.Thread(target=self.pipeline.run, name="pipeline", daemon=True)
+
+    def start(self) -> PipelineRunner:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.pipeline.stop()
+        self.thread.join(20)
+        assert not self.thread.is_alive(), "pipeline did not stop"
+
+    def __enter__(self) -> PipelineRunner:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.thread.is_alive():
+            self.stop()
+
+
+def live_config(redis_url: str, data_dir: Path, video: Path, camera: str = "yard") -> Any:
+    """One file camera whose every sampled frame passes the gate (``min_persons: 0``), a
+    frames stream of ``maxlen`` 10 that nobody drains (so the rest are refused and counted
+    ``queue_full``), live numbers every 0.2 s (TTL 0.6 s)."""
+    return make_config(
+        redis_url,
+        data_dir,
+        cameras=[{"id": camera, "url": str(video), "fps": 5}],
+        detector={"weights": "yolo26n.yaml", "imgsz": 64},
+        gate={"min_persons": 0, "cooldown_s": 0, "min_interval_s": 0},
+        queue={"maxlen": 10, "heartbeat_s": 0.2},
+    )

@@ -2,9 +2,10 @@
 it asks for the key, shows a description produced during the test with its snapshot, finds it
 by search, shows a new event without a reload, and shows hostile text as text.
 
-A screenshot is saved to ``results/ui-events.png``. Any console error fails the test: a
-Content-Security-Policy violation (an inline script or style, an image from elsewhere) is
-reported there.
+Each camera card shows its live numbers (state, fps, drops, queue, describer lag) from a
+real pipeline. A screenshot is saved to ``results/ui-events.png``. Any console error fails the
+test: a Content-Security-Policy violation (an inline script or style, an image from
+elsewhere) is reported there.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.events.events_helpers import API_KEY, describe
+from tests.events.events_helpers import API_KEY, PipelineRunner, describe, live_config
 from tests.pipelines.pipeline_helpers import REPO, people_images
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (dev extra)")
@@ -124,3 +125,51 @@ def test_the_events_page_shows_searches_and_updates_live(config, ui):
     problems = [p for p in problems if "status of 401" not in p]
     assert not problems, problems
     assert Path(SCREENSHOT).stat().st_size > 10_000
+
+
+def test_camera_cards_show_the_live_counters_of_a_running_pipeline(
+    redis_server, tmp_path, video_file, start_ui
+):
+    config = live_config(redis_server.url, tmp_path / "events", video_file)
+    describe(config, ["A person crosses the yard."], camera="yard")
+    ui = start_ui(config)
+    card = '.camera[data-camera="yard"] .camera-live'
+    problems: list[str] = []
+    with PipelineRunner(config) as runner, sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 800})
+            page.on("pageerror", lambda exc: problems.append(f"pageerror: {exc}"))
+            page.on(
+                "console",
+                lambda msg: (
+                    problems.append(f"console: {msg.text}") if msg.type == "error" else None
+                ),
+            )
+            page.add_init_script(f"localStorage.setItem('vision-serve-ui-key', '{API_KEY}')")
+            page.goto(f"{ui.url}/")
+            # the cards refresh every 5 s: wait for the pipeline's drops to show
+            page.wait_for_function(
+                "s => { const n = document.querySelector(s + ' .counter-drops');"
+                " return n && n.textContent !== 'drops 0' }",
+                arg=card,
+                timeout=30_000,
+            )
+            assert page.get_attribute(card, "data-state") == "online"
+            assert page.text_content(f"{card} .badge") == "online"
+            fps = page.text_content(f"{card} .counter-fps")
+            assert fps.startswith("fps ") and float(fps.split()[1]) > 0
+            assert "queue_full" in page.get_attribute(f"{card} .counter-drops", "title")
+            assert page.text_content(f"{card} .counter-lag").endswith(" s")
+            assert page.text_content(f"{card} .counter-queue") == "queue 10"
+
+            runner.stop()  # the card turns offline with the next refresh
+            page.wait_for_function(
+                "s => document.querySelector(s).dataset.state === 'offline'",
+                arg=card,
+                timeout=15_000,
+            )
+            assert page.query_selector(f"{card} .counter-fps") is None  # no frozen numbers
+        finally:
+            browser.close()
+    assert not problems, problems

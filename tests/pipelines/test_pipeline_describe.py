@@ -195,8 +195,13 @@ def test_commit_is_gated_on_the_acknowledgement(redis_server, make_config):
         for who in ("fast", "slow")
     ]
     assert results == [1, 0]
-    assert [d["text"] for d in descriptions(client, q)] == ["fast"]
-    assert read_stats(client, q) == {"enqueued": 1, "described": 1, "duplicate_discarded": 1}
+    assert [(d["n"], d["text"]) for d in descriptions(client, q)] == [("1", "fast")]
+    assert read_stats(client, q) == {
+        "enqueued": 1,
+        "described": 1,
+        "duplicate_discarded": 1,
+        f"appended:{q.descriptions_stream}": 1,  # the entry's number, not an outcome
+    }
 
 
 def test_frames_delivered_too_often_go_to_the_dead_letter_stream(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path, PurePosixPath
@@ -311,15 +310,6 @@ def _docker_compose(env_overrides: dict[str, str]) -> subprocess.CompletedProces
     # --env-file /dev/null: a developer's .env must not supply what the test leaves out
     cmd = ["docker", "compose", "--env-file", "/dev/null", "-f", str(COMPOSE), "config", "-q"]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def docker_compose() -> None:
-    if shutil.which("docker") is None:
-        pytest.skip("no docker client on this machine")
-    probe = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30)
-    if probe.returncode != 0:
-        pytest.skip("the docker client has no compose plugin")
 
 
 def test_docker_compose_accepts_the_file_with_the_secrets_set(docker_compose):

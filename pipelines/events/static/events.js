@@ -103,6 +103,39 @@
   });
 
   // -- cameras ---------------------------------------------------------------------------
+  const STATES = new Set(["online", "disconnected", "stale", "offline"]);
+
+  function seconds(value) {
+    return value == null ? "–" : Number(value).toFixed(1) + " s";
+  }
+
+  // the pipeline's live numbers (null: no pipeline reads this camera) and the queue's
+  function liveLine(cam) {
+    const live = cam.live;
+    const state = live && STATES.has(live.state) ? live.state : "offline";
+    const line = el("p", "camera-live");
+    line.dataset.state = state;
+    line.append(el("span", "badge state-" + state, state));
+    if (live) {
+      const rate = Number(live.decoded_fps || 0).toFixed(1);
+      const fps = el("span", "counter counter-fps", "fps " + rate);
+      fps.title = "decoded per second; sampled: " + live.sampled + ", detected: " + live.detected;
+      const drops = el("span", "counter counter-drops", "drops " + live.dropped_total);
+      const reasons = Object.entries(live.dropped || {}).map(([k, v]) => k + ": " + v);
+      drops.title = reasons.length ? reasons.join(", ") : "no frames dropped";
+      const sent = el("span", "counter counter-enqueued", "sent " + live.enqueued);
+      sent.title = "frames this pipeline put on the queue";
+      line.append(fps, drops, sent);
+    }
+    const waiting = el("span", "counter counter-queue", "queue " + (cam.queued ?? "–"));
+    waiting.title = "frames of this camera no describer has taken yet";
+    const lag = el("span", "counter counter-lag", "lag " + seconds(cam.describer_lag_s));
+    lag.title = "capture to description of the latest description";
+    line.append(waiting, lag);
+    if (live && live.last_error && state !== "online") line.title = live.last_error;
+    return line;
+  }
+
   async function loadCameras() {
     const body = await apiJson("/api/cameras");
     const box = $("cameras");
@@ -118,6 +151,7 @@
       const card = el("article", "camera");
       card.dataset.camera = cam.id;
       card.append(el("h3", null, cam.id));
+      card.append(liveLine(cam));
       const latest = cam.latest;
       if (latest) {
         const img = el("img", "snapshot");
@@ -136,7 +170,10 @@
     const redis = body.redis || {};
     const parts = ["events stored: " + body.events.stored];
     if (redis.error) parts.push(redis.error);
-    if (redis.queue) parts.push("queue lag: " + redis.queue.lag, "pending: " + redis.queue.pending);
+    if (redis.queue) {
+      parts.push("queue lag: " + redis.queue.lag, "pending: " + redis.queue.pending);
+      parts.push("oldest waiting: " + seconds(redis.queue.lag_seconds));
+    }
     if (redis.accounting) parts.push("described: " + redis.accounting.described);
     status(parts.join(" · "));
     $("forget-key").hidden = !state.key;
@@ -377,7 +414,7 @@
   setInterval(() => {
     if (!$("key-form").hidden) return;
     loadCameras().catch(() => {});
-  }, 15000);
+  }, 5000);
 
   start();
 })();
