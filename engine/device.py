@@ -48,10 +48,13 @@ def cpu_has_fast_bf16() -> bool:
 
 def resolve_dtype(name: str, device: torch.device, cpu_kernels: bool = True) -> torch.dtype:
     """``auto``: bf16 on GPUs and on CPUs that run it fast. On CPUs that is bf16 arithmetic
-    (AVX512-BF16, AMX), or AVX-512 with engine.kernels built: there bf16 is emulated, yet bf16
-    weights with the kernels served 1.6x the tokens/s of fp32 on a 2-core Ice Lake (81 against
-    51, ``benchmarks/offline_throughput.py``), since decode streams half the bytes and large
-    products are widened to fp32 anyway. Elsewhere fp32."""
+    (AVX512-BF16, AMX), or engine.kernels built (AVX-512 or AVX2): there bf16 is emulated, yet
+    bf16 weights with the kernels are faster than fp32, since decode streams half the bytes
+    through one fused call per step and prefill-sized products widen the weights to fp32
+    (UpcastLinear). Measured (``benchmarks/README.md``): on a 2-core Ice Lake 1.6x the offline
+    tokens/s of fp32; on a 2-core AVX2 EPYC (Zen 3) a decode step 2-3x faster at batch 1 and
+    8, at 0.6-0.95x fp32's text-prefill rate (``benchmarks/cpu_dtype.py``): decode paces every
+    stream, so bf16 wins there too. Elsewhere fp32."""
     if name == "auto":
         if device.type == "cuda" or cpu_has_fast_bf16():
             return torch.bfloat16

@@ -1,18 +1,18 @@
-// Fused bf16 attention for prefill-sized inputs (vision tower, prompt chunks) on AVX-512.
+// Fused bf16 attention for prefill-sized inputs (vision tower, prompt chunks), written against
+// the vector vocabulary of isa.h (AVX-512 with or without its bf16 dot product, AVX2).
 //
 // Why: without AMX, PyTorch's CPU flash kernel runs bf16 at the fp32 rate, and the two-bmm
 // alternative spends ~40 % of its time writing, softmaxing and re-reading the score matrix.
 // Here scores live in registers: per 4 query rows and 64 keys, q.k^T and p.v are vdpbf16ps
 // over keys and values repacked into bf16 pairs once per call, with an online softmax in fp32
 // between them (probabilities rounded to bf16 for p.v, as GPU flash attention does).
-// The emulated build (no AVX512-BF16) computes in fp32 throughout, so it also takes fp32
-// q/k/v: the vision tower runs in fp32 there (see engine.models.load_model).
+// Builds without the bf16 dot product (AVX-512 without BF16, AVX2: "emulated") compute in fp32
+// throughout, so they also take fp32 q/k/v: the vision tower runs in fp32 there (see
+// engine.models.load_model).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
-
-#include "simd.h"
+#include "isa.h"
 
 #include <algorithm>
 #include <cmath>
@@ -26,24 +26,13 @@ using bf16 = at::BFloat16;
 
 inline float f32(bf16 v) { return static_cast<float>(v); }
 
-#ifdef __AVX512BF16__
-using vs_simd::dot_bf16_pairs;
-#endif
-using vs_simd::exp2_16;
-using vs_simd::to_bf16;
-using vs_simd::widen_pairs;
+using vs::vf;
 
 inline uint32_t pair(const bf16* a, const bf16* b) {
   uint16_t lo, hi;
   std::memcpy(&lo, a, 2);
   std::memcpy(&hi, b, 2);
   return uint32_t(lo) | (uint32_t(hi) << 16);
-}
-
-// two adjacent bf16 values in every 32-bit lane, broadcast straight from memory (a load-port
-// operation, unlike a broadcast from a general register)
-inline __m512i broadcast_pair(const void* p) {
-  return _mm512_castps_si512(_mm512_broadcastss_ps(_mm_load_ss(static_cast<const float*>(p))));
 }
 
 constexpr int kTile = 64;    // keys per online-softmax update
@@ -56,7 +45,7 @@ constexpr int kSub = kTile / 16;
 // Likewise queries and probabilities: bf16 pairs broadcast into vdpbf16ps natively; fp32
 // (queries widened once per row block, probabilities never rounded) broadcast from memory,
 // a load-port operation, when emulated.
-#ifdef __AVX512BF16__
+#ifdef VS_BF16_DOT
 constexpr int64_t kWords = 1;
 using QElem = bf16;
 using Prob = uint16_t;
@@ -83,34 +72,33 @@ struct Problem {
 template <int R>
 __attribute__((noinline)) void qk_tile(const QElem* const* qrow, const uint32_t* kt,
                                        int64_t dp_count, float (*scores)[kTile]) {
-  __m512 s[R][kSub];
+  vf s[R][kSub];
   for (int r = 0; r < R; ++r)
-    for (int u = 0; u < kSub; ++u) s[r][u] = _mm512_setzero_ps();
+    for (int u = 0; u < kSub; ++u) s[r][u] = vs::zero();
   for (int64_t p = 0; p < dp_count; ++p) {
-#ifdef __AVX512BF16__
-    __m512i qb[R];
-    for (int r = 0; r < R; ++r) qb[r] = broadcast_pair(qrow[r] + 2 * p);
+#ifdef VS_BF16_DOT
+    vs::vpair qb[R];
+    for (int r = 0; r < R; ++r) qb[r] = vs::broadcast_pair(qrow[r] + 2 * p);
     for (int u = 0; u < kSub; ++u) {
-      const __m512i kv = _mm512_loadu_si512(kt + (u * dp_count + p) * 16);
-      for (int r = 0; r < R; ++r)
-        s[r][u] = dot_bf16_pairs(s[r][u], kv, qb[r]);
+      const vs::vpair kv = vs::load_pairs(kt + (u * dp_count + p) * 16);
+      for (int r = 0; r < R; ++r) s[r][u] = vs::dot_pairs(s[r][u], kv, qb[r]);
     }
 #else
-    __m512 q_even[R], q_odd[R];
+    vf q_even[R], q_odd[R];
     for (int r = 0; r < R; ++r) {
-      q_even[r] = _mm512_set1_ps(qrow[r][2 * p]);
-      q_odd[r] = _mm512_set1_ps(qrow[r][2 * p + 1]);
+      q_even[r] = vs::set1(qrow[r][2 * p]);
+      q_odd[r] = vs::set1(qrow[r][2 * p + 1]);
     }
     for (int u = 0; u < kSub; ++u) {
       const float* kw = reinterpret_cast<const float*>(kt) + (u * dp_count + p) * 32;
-      const __m512 k_even = _mm512_loadu_ps(kw), k_odd = _mm512_loadu_ps(kw + 16);
+      const vf k_even = vs::load(kw), k_odd = vs::load(kw + 16);
       for (int r = 0; r < R; ++r)
-        s[r][u] = _mm512_fmadd_ps(k_odd, q_odd[r], _mm512_fmadd_ps(k_even, q_even[r], s[r][u]));
+        s[r][u] = vs::fmadd(k_odd, q_odd[r], vs::fmadd(k_even, q_even[r], s[r][u]));
     }
 #endif
   }
   for (int r = 0; r < R; ++r)
-    for (int u = 0; u < kSub; ++u) _mm512_store_ps(scores[r] + 16 * u, s[r][u]);
+    for (int u = 0; u < kSub; ++u) vs::store(scores[r] + 16 * u, s[r][u]);
 }
 
 // o[r] = o[r] * alpha[r] + p_r . V over the tile's key pairs (R x ND accumulators); without
@@ -119,41 +107,51 @@ template <int ND, int R, bool Rescale>
 __attribute__((noinline)) void pv_tile(float* o, const float* alpha, const Prob (*probs)[kTile],
                                        const uint32_t* vt, int64_t pairs) {
   constexpr int64_t D = ND * 16;
-  __m512 acc[R][ND];
+  vf acc[R][ND];
   for (int r = 0; r < R; ++r)
     for (int d = 0; d < ND; ++d) {
-      acc[r][d] = _mm512_loadu_ps(o + r * D + 16 * d);
-      if (Rescale) acc[r][d] = _mm512_mul_ps(acc[r][d], _mm512_set1_ps(alpha[r]));
+      acc[r][d] = vs::load(o + r * D + 16 * d);
+      if (Rescale) acc[r][d] = vs::mul(acc[r][d], vs::set1(alpha[r]));
     }
   for (int64_t i = 0; i < pairs; ++i) {
-#ifdef __AVX512BF16__
-    __m512i pb[R];
-    for (int r = 0; r < R; ++r) pb[r] = broadcast_pair(probs[r] + 2 * i);
+#ifdef VS_BF16_DOT
+    vs::vpair pb[R];
+    for (int r = 0; r < R; ++r) pb[r] = vs::broadcast_pair(probs[r] + 2 * i);
     for (int d = 0; d < ND; ++d) {
-      const __m512i vv = _mm512_loadu_si512(vt + i * D + 16 * d);
-      for (int r = 0; r < R; ++r)
-        acc[r][d] = dot_bf16_pairs(acc[r][d], vv, pb[r]);
+      const vs::vpair vv = vs::load_pairs(vt + i * D + 16 * d);
+      for (int r = 0; r < R; ++r) acc[r][d] = vs::dot_pairs(acc[r][d], vv, pb[r]);
     }
 #else
-    __m512 p_even[R], p_odd[R];
+    vf p_even[R], p_odd[R];
     for (int r = 0; r < R; ++r) {
-      p_even[r] = _mm512_set1_ps(probs[r][2 * i]);
-      p_odd[r] = _mm512_set1_ps(probs[r][2 * i + 1]);
+      p_even[r] = vs::set1(probs[r][2 * i]);
+      p_odd[r] = vs::set1(probs[r][2 * i + 1]);
     }
     for (int d = 0; d < ND; ++d) {
       const float* vw = reinterpret_cast<const float*>(vt) + i * 2 * D + 16 * d;
-      const __m512 v_even = _mm512_loadu_ps(vw), v_odd = _mm512_loadu_ps(vw + D);
+      const vf v_even = vs::load(vw), v_odd = vs::load(vw + D);
       for (int r = 0; r < R; ++r)
-        acc[r][d] = _mm512_fmadd_ps(v_odd, p_odd[r], _mm512_fmadd_ps(v_even, p_even[r], acc[r][d]));
+        acc[r][d] = vs::fmadd(v_odd, p_odd[r], vs::fmadd(v_even, p_even[r], acc[r][d]));
     }
 #endif
   }
   for (int r = 0; r < R; ++r)
-    for (int d = 0; d < ND; ++d) _mm512_storeu_ps(o + r * D + 16 * d, acc[r][d]);
+    for (int d = 0; d < ND; ++d) vs::store(o + r * D + 16 * d, acc[r][d]);
+}
+
+// probabilities as pv_tile reads them: bf16 with the dot product, fp32 otherwise
+inline void store_probs(uint16_t* p, vf e) { vs::store_bf16(p, e); }
+inline void store_probs(float* p, vf e) { vs::store(p, e); }
+
+// Query rows per register block for head size 16 * ND: R x ND output accumulators must stay
+// in registers. AVX-512: 4 rows for D <= 64, 2 beyond; AVX2 (a quarter of the logical
+// vectors): 2 rows for D <= 32, 1 beyond.
+constexpr int rows_per_block(int nd) {
+  return vs::kVecRegs >= 32 ? (nd <= 4 ? 4 : 2) : (nd <= 2 ? 2 : 1);
 }
 
 // The blocked loop, compiled per head size (ND = D / 16) so the output accumulators stay in
-// registers: R = 4 query rows for D <= 64, 2 beyond (4 x ND accumulators would spill).
+// registers.
 template <int ND, int R>
 void attend(const Problem& P) {
   const int64_t n = P.n, m = P.m, Hq = P.Hq, D = ND * 16, G = P.G, offset = P.offset;
@@ -174,12 +172,11 @@ void attend(const Problem& P) {
   const int64_t row_blocks = (n + block - 1) / block;
   // softmax in base 2: exp(x * scale - max) = 2^(x * scale * log2(e) - max'), one FMA per score
   const float scale2 = P.scale * 1.4426950408889634f;
-  const __m512 vscale2 = _mm512_set1_ps(scale2);
-  const __m512i lane_idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vf vscale2 = vs::set1(scale2);
   at::parallel_for(0, Hq * row_blocks, 1, [&](int64_t t0, int64_t t1) {
     alignas(64) Prob probs[R][kTile];
     std::vector<float> o_mem(kBlock * D);
-#ifndef __AVX512BF16__
+#ifndef VS_BF16_DOT
     std::vector<float> q_wide(kBlock * D);
 #endif
     float row_max[kBlock];  // base-2 units
@@ -192,7 +189,7 @@ void attend(const Problem& P) {
       std::fill(o_mem.begin(), o_mem.end(), 0.f);
       std::fill(row_max, row_max + kBlock, -INFINITY);
       std::memset(row_sum, 0, sizeof(row_sum));
-#ifndef __AVX512BF16__
+#ifndef VS_BF16_DOT
       for (int64_t r = 0; r < block_rows; ++r) {
         const int64_t at = ((b0 + r) * Hq + h) * D;
         if (P.fp32_io)
@@ -212,7 +209,7 @@ void attend(const Problem& P) {
           const QElem* qrow[R];
           for (int r = 0; r < R; ++r) {
             const int64_t q_row = r0 + std::min<int64_t>(r, rows - 1);
-#ifdef __AVX512BF16__
+#ifdef VS_BF16_DOT
             qrow[r] = qp + (q_row * Hq + h) * D;
 #else
             qrow[r] = q_wide.data() + (q_row - b0) * D;
@@ -230,46 +227,39 @@ void attend(const Problem& P) {
             // that max as long as none exceeds it by more than 2^8 (fp32 and bf16 hold such
             // probabilities and their sums); only a tile that does pays for its own max
             if (j0 + kTile - 1 <= limit && row_max[row] != -INFINITY) {
-              const __m512 top = _mm512_set1_ps(row_max[row]);
-              __m512 t[kSub];
-              __mmask16 over = 0;
+              const vf top = vs::set1(row_max[row]);
+              vf t[kSub];
+              bool over = false;
               for (int u = 0; u < kSub; ++u) {
-                t[u] = _mm512_fmsub_ps(_mm512_load_ps(sc[r] + 16 * u), vscale2, top);
-                over |= _mm512_cmp_ps_mask(t[u], _mm512_set1_ps(8.f), _CMP_GT_OQ);
+                t[u] = vs::fmsub(vs::load(sc[r] + 16 * u), vscale2, top);
+                over |= vs::any_gt(t[u], 8.f);
               }
               if (!over) {
-                __m512 sum = _mm512_load_ps(row_sum[row]);
+                vf sum = vs::load(row_sum[row]);
                 for (int u = 0; u < kSub; ++u) {
-                  const __m512 e = exp2_16(t[u]);
-                  sum = _mm512_add_ps(sum, e);
-#ifdef __AVX512BF16__
-                  _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs[r] + 16 * u), to_bf16(e));
-#else
-                  _mm512_store_ps(probs[r] + 16 * u, e);
-#endif
+                  const vf e = vs::exp2(t[u]);
+                  sum = vs::add(sum, e);
+                  store_probs(probs[r] + 16 * u, e);
                 }
-                _mm512_store_ps(row_sum[row], sum);
+                vs::store(row_sum[row], sum);
                 alphas[r] = 1.f;
                 continue;
               }
             }
             // the tile's max of raw scores (scale > 0 keeps their order); only a tile that
             // crosses the row's limit pays for masking
-            __m512 mx = _mm512_set1_ps(-INFINITY);
+            vf mx = vs::set1(-INFINITY);
             if (j0 + kTile - 1 <= limit) {
-              for (int u = 0; u < kSub; ++u) mx = _mm512_max_ps(mx, _mm512_load_ps(sc[r] + 16 * u));
+              for (int u = 0; u < kSub; ++u) mx = vs::max(mx, vs::load(sc[r] + 16 * u));
             } else {
-              for (int u = 0; u < kSub; ++u) {
-                const __m512i key = _mm512_add_epi32(lane_idx, _mm512_set1_epi32(j0 + 16 * u));
-                const __mmask16 ok =
-                    _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(limit)));
-                const __m512 x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), ok,
-                                                    _mm512_load_ps(sc[r] + 16 * u));
-                _mm512_store_ps(sc[r] + 16 * u, x);
-                mx = _mm512_max_ps(mx, x);
+              for (int u = 0; u < kSub; ++u) {  // keys j0 + 16u + i <= limit stay
+                const vf x = vs::keep_first(vs::load(sc[r] + 16 * u), limit - j0 - 16 * u + 1,
+                                            -INFINITY);
+                vs::store(sc[r] + 16 * u, x);
+                mx = vs::max(mx, x);
               }
             }
-            const float new_max = std::max(row_max[row], _mm512_reduce_max_ps(mx) * scale2);
+            const float new_max = std::max(row_max[row], vs::reduce_max(mx) * scale2);
             float alpha = 1.f;
             if (new_max == -INFINITY) {  // nothing visible to this row yet
               std::memset(probs[r], 0, sizeof(probs[r]));
@@ -278,19 +268,14 @@ void attend(const Problem& P) {
               if (row_max[row] == -INFINITY) alpha = 0.f;
               else if (new_max != row_max[row]) alpha = std::exp2(row_max[row] - new_max);
               row_max[row] = new_max;
-              const __m512 top = _mm512_set1_ps(new_max);
-              __m512 sum = _mm512_mul_ps(_mm512_load_ps(row_sum[row]), _mm512_set1_ps(alpha));
+              const vf top = vs::set1(new_max);
+              vf sum = vs::mul(vs::load(row_sum[row]), vs::set1(alpha));
               for (int u = 0; u < kSub; ++u) {
-                const __m512 e =
-                    exp2_16(_mm512_fmsub_ps(_mm512_load_ps(sc[r] + 16 * u), vscale2, top));
-                sum = _mm512_add_ps(sum, e);
-#ifdef __AVX512BF16__
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs[r] + 16 * u), to_bf16(e));
-#else
-                _mm512_store_ps(probs[r] + 16 * u, e);
-#endif
+                const vf e = vs::exp2(vs::fmsub(vs::load(sc[r] + 16 * u), vscale2, top));
+                sum = vs::add(sum, e);
+                store_probs(probs[r] + 16 * u, e);
               }
-              _mm512_store_ps(row_sum[row], sum);
+              vs::store(row_sum[row], sum);
             }
             alphas[r] = alpha;
             rescale |= alpha != 1.f;
@@ -303,22 +288,20 @@ void attend(const Problem& P) {
       }
       for (int64_t r = 0; r < block_rows; ++r) {
         const int64_t at = ((b0 + r) * Hq + h) * D;
-        const __m512 inv =
-            _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(row_sum[r])));
+        const vf inv = vs::set1(1.0f / vs::reduce_add(vs::load(row_sum[r])));
         for (int d = 0; d < ND; ++d) {
-          const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(o_mem.data() + r * D + 16 * d), inv);
+          const vf y = vs::mul(vs::load(o_mem.data() + r * D + 16 * d), inv);
           if (P.fp32_io)
-            _mm512_storeu_ps(static_cast<float*>(P.out) + at + 16 * d, y);
+            vs::store(static_cast<float*>(P.out) + at + 16 * d, y);
           else
-            _mm256_storeu_si256(
-                reinterpret_cast<__m256i*>(static_cast<bf16*>(P.out) + at + 16 * d), to_bf16(y));
+            vs::store_bf16(static_cast<bf16*>(P.out) + at + 16 * d, y);
         }
       }
     }
   });
 }
 
-#ifndef __AVX512BF16__
+#ifndef VS_BF16_DOT
 // pack_kv's emulated layout for keys j0..j0+15 of head h: per dimension pair p, the 16 keys'
 // even elements then their odd ones; values as rows, one per key (pv_tile reads v[2i, d..]
 // and v[2i + 1, d..]). Keys past m are zeros.
@@ -358,7 +341,7 @@ std::vector<at::Tensor> pack_kv(const at::Tensor& k_in, const at::Tensor& v_in) 
   const auto dtype = k_in.scalar_type();
   TORCH_CHECK(v_in.scalar_type() == dtype && (dtype == at::kBFloat16 || dtype == at::kFloat),
               "k, v: both bf16 or both fp32");
-#ifdef __AVX512BF16__
+#ifdef VS_BF16_DOT
   const at::Tensor k = k_in.to(at::kBFloat16).contiguous(), v = v_in.to(at::kBFloat16).contiguous();
   const bool fp32_in = false;
 #else
@@ -384,7 +367,7 @@ std::vector<at::Tensor> pack_kv(const at::Tensor& k_in, const at::Tensor& v_in) 
       const int64_t h = t / (m_pad / 16), j0 = (t % (m_pad / 16)) * 16;
       uint32_t* dst = kpk + t * dp_count * 16 * kWords;
       uint32_t* vdst = vpk + (h * (m_pad / 2) + j0 / 2) * D * kWords;
-#ifdef __AVX512BF16__
+#ifdef VS_BF16_DOT
       const bf16 zero(0.f);
       for (int64_t lane = 0; lane < 16; ++lane) {
         const int64_t j = j0 + lane;
@@ -417,7 +400,7 @@ at::Tensor attend_packed(const at::Tensor& q_in, const std::vector<at::Tensor>& 
   TORCH_CHECK(q_in.dim() == 3 && (dtype == at::kBFloat16 || dtype == at::kFloat),
               "q: [n, heads, D], bf16 or fp32");
   TORCH_CHECK(packed.size() == 3, "packed: the result of pack_kv");
-#ifdef __AVX512BF16__
+#ifdef VS_BF16_DOT
   if (dtype == at::kFloat)
     return attend_packed(q_in.to(at::kBFloat16), packed, scale, causal).to(at::kFloat);
 #endif
@@ -437,14 +420,14 @@ at::Tensor attend_packed(const at::Tensor& q_in, const std::vector<at::Tensor>& 
                         reinterpret_cast<const uint32_t*>(vpk.data_ptr<int32_t>()),
                         n, m, Hq, Hq / Hk, m - n, m_pad, static_cast<float>(scale), causal};
   switch (D / 16) {
-    case 1: attend<1, 4>(problem); break;
-    case 2: attend<2, 4>(problem); break;
-    case 3: attend<3, 4>(problem); break;
-    case 4: attend<4, 4>(problem); break;
-    case 5: attend<5, 2>(problem); break;
-    case 6: attend<6, 2>(problem); break;
-    case 7: attend<7, 2>(problem); break;
-    default: attend<8, 2>(problem); break;
+    case 1: attend<1, rows_per_block(1)>(problem); break;
+    case 2: attend<2, rows_per_block(2)>(problem); break;
+    case 3: attend<3, rows_per_block(3)>(problem); break;
+    case 4: attend<4, rows_per_block(4)>(problem); break;
+    case 5: attend<5, rows_per_block(5)>(problem); break;
+    case 6: attend<6, rows_per_block(6)>(problem); break;
+    case 7: attend<7, rows_per_block(7)>(problem); break;
+    default: attend<8, rows_per_block(8)>(problem); break;
   }
   return out;
 }

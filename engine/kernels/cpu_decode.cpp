@@ -1,10 +1,11 @@
-// Fused decode step of a Qwen2-style decoder for x86 CPUs with AVX-512 (BF16 native or
-// emulated: simd.h).
+// Fused decode step of a Qwen2-style decoder for x86 CPUs, written against the vector
+// vocabulary of isa.h: AVX-512 with the bf16 dot product ("native"), AVX-512 without it or
+// AVX2 ("emulated": bf16 widened to fp32 in registers).
 //
 // Why: a decode step with a handful of rows is memory-bound, and in eager PyTorch a third of
 // its time went to ~1,100 small ops (norms, rotary, cache gathers) and Python between the
 // weight reads. Here the whole step -- every layer, the final norm and the lm_head -- is one
-// call: weights stream through a bf16 dot-product kernel (vdpbf16ps), the small ops run in
+// call: weights stream through a bf16 dot-product kernel, the small ops run in
 // between on data that is still in cache, and the only synchronisation is one parallel region
 // per matmul or attention phase.
 //
@@ -14,9 +15,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <immintrin.h>
 
-#include "simd.h"
+#include "isa.h"
 
 #include <sys/mman.h>
 
@@ -34,88 +34,51 @@ using bf16 = at::BFloat16;
 
 inline float f32(bf16 v) { return static_cast<float>(v); }
 
-inline __m512 load16(const bf16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-#ifdef __AVX512BF16__
-using vs_simd::dot_bf16_pairs;
-#endif
-using vs_simd::exp16;
+using vs::vf;
 
 // The step's elementwise work (epilogues, SiLU, residual adds) 16 lanes at a time: scalar, with
 // a bf16 conversion per operand, it was ~15 % of a batch-16 step. The roundings are the eager
-// path's, vector for vector; exp16 stands in for std::exp (~2 ulp).
-inline __mmask16 lanes(int64_t left) { return left >= 16 ? 0xFFFF : (__mmask16(1) << left) - 1; }
-
-inline __m512 load_bf16(const bf16* p, __mmask16 k) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(k, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-inline void store_bf16(bf16* p, __m512 v, __mmask16 k) {
-  _mm256_mask_storeu_epi16(p, k, vs_simd::to_bf16(v));
-}
-
-// fp32 -> nearest bf16 -> fp32: what f32(bf16(x)) does
-inline __m512 round_bf16(__m512 x) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(vs_simd::to_bf16(x)), 16));
-}
+// path's, vector for vector; vs::exp stands in for std::exp (~2 ulp). Tails go by count
+// (``left`` lanes of 16).
+using vs::round_bf16;  // fp32 -> nearest bf16 -> fp32: what f32(bf16(x)) does
 
 // dst[i] = bf16(silu(bf16(gate[i])) * bf16(up[i])), each op's result rounded as eager bf16 does
 inline void silu_mul_row(const float* gate, const float* up, bf16* dst, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 k = lanes(n - i);
-    const __m512 g = round_bf16(_mm512_maskz_loadu_ps(k, gate + i));
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-    const __m512 silu = round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-    store_bf16(dst + i, _mm512_mul_ps(silu, round_bf16(_mm512_maskz_loadu_ps(k, up + i))), k);
+    const int64_t k = n - i;
+    const vf g = round_bf16(vs::load(gate + i, k));
+    const vf e = vs::exp(vs::sub(vs::zero(), g));
+    const vf silu = round_bf16(vs::div(g, vs::add(vs::set1(1.f), e)));
+    vs::store_bf16(dst + i, vs::mul(silu, round_bf16(vs::load(up + i, k))), k);
   }
 }
 
-// out[i] = sum of the 16 lanes of v[i]: a transpose-and-add tree, ~3 instructions per vector
-// against ~10 for a reduce of each (attention scores for 16 keys at once)
-inline __m512 hsum16(const __m512* v) {
-  __m512 w[8], x[4], z[2];
-  for (int k = 0; k < 8; ++k)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
-    w[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
-                         _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-  for (int k = 0; k < 4; ++k) {  // per 128-bit lane: that lane's sums of 4 vectors
-    const __m512d a = _mm512_castps_pd(w[2 * k]), b = _mm512_castps_pd(w[2 * k + 1]);
-    x[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  for (int k = 0; k < 2; ++k)  // add 128-bit lanes pairwise
-    z[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0x88),
-                         _mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88),
-                       _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
-}
+// out[i] = sum of the 16 lanes of v[i] (attention scores for 16 keys at once): the traits'
+// transpose-and-add tree, ~3 instructions per vector against ~10 for a reduce of each
+using vs::hsum16;
 
-// The activations of a GEMV as the dot-product kernel reads them. With AVX512-BF16, the bf16
+// The activations of a GEMV as the dot-product kernel reads them. With the dot product, the bf16
 // rows as they are. Emulated, each row is widened once per matrix to fp32, 16 even then 16 odd
 // elements per 32: a weight vector then costs two FMAs per row, not two FMAs plus four integer
 // ops to widen the same activations again for every weight row.
 struct Activations {
   Activations(int rows, const bf16* x_in, int64_t K_in) : M(rows), K(K_in), x(x_in) {
-#ifndef __AVX512BF16__
+#ifndef VS_BF16_DOT
     wide.resize(static_cast<size_t>(M) * K);
     const int64_t k_vec = K / 32 * 32;
     for (int m = 0; m < M; ++m)
       for (int64_t k = 0; k < k_vec; k += 32) {
-        __m512 even, odd;
-        vs_simd::widen_pairs(_mm512_loadu_si512(x + m * K + k), even, odd);
-        _mm512_storeu_ps(wide.data() + m * K + k, even);
-        _mm512_storeu_ps(wide.data() + m * K + k + 16, odd);
+        vf even, odd;
+        vs::widen_pairs(vs::load_pairs(x + m * K + k), even, odd);
+        vs::store(wide.data() + m * K + k, even);
+        vs::store(wide.data() + m * K + k + 16, odd);
       }
 #endif
   }
   int M;
   int64_t K;
   const bf16* x;
-#ifndef __AVX512BF16__
+#ifndef VS_BF16_DOT
   std::vector<float> wide;
 #endif
 };
@@ -133,45 +96,45 @@ void dot_rows(const Activations& xs, const bf16* w, int64_t n0, int64_t n1, floa
   const int64_t k_vec = K / step * step;
   for (int64_t n = n0; n < n1; ++n) {
     const bf16* wr = w + n * K;
-    __m512 a[M][U];
+    vf a[M][U];
     for (int m = 0; m < M; ++m)
-      for (int u = 0; u < U; ++u) a[m][u] = _mm512_setzero_ps();
+      for (int u = 0; u < U; ++u) a[m][u] = vs::zero();
     for (int64_t k = 0; k < k_vec; k += step) {
       for (int u = 0; u < U; ++u) {
-#ifndef __AVX512BF16__
+#ifndef VS_BF16_DOT
         // the emulated build runs on Intel cores before Cooper Lake; there asking for the
         // weights 4 KiB ahead beat the hardware prefetcher (batch-1 decode 102 -> 125 tok/s on
         // an Ice Lake; 2 KiB: 115, 8 KiB: 93). On the EPYC (native build) it had lost.
-        _mm_prefetch(reinterpret_cast<const char*>(wr + k + 32 * u) + 4096, _MM_HINT_T0);
+        __builtin_prefetch(reinterpret_cast<const char*>(wr + k + 32 * u) + 4096);
 #endif
-        const __m512i wv = _mm512_loadu_si512(wr + k + 32 * u);
-#ifdef __AVX512BF16__
+        const vs::vpair wv = vs::load_pairs(wr + k + 32 * u);
+#ifdef VS_BF16_DOT
         for (int m = 0; m < M; ++m) {
-          const __m512i xv = _mm512_loadu_si512(x + m * K + k + 32 * u);
-          a[m][u] = dot_bf16_pairs(a[m][u], wv, xv);
+          const vs::vpair xv = vs::load_pairs(x + m * K + k + 32 * u);
+          a[m][u] = vs::dot_pairs(a[m][u], wv, xv);
         }
 #else
-        __m512 w_even, w_odd;
-        vs_simd::widen_pairs(wv, w_even, w_odd);
+        vf w_even, w_odd;
+        vs::widen_pairs(wv, w_even, w_odd);
         for (int m = 0; m < M; ++m) {
           const float* xw = xs.wide.data() + m * K + k + 32 * u;
-          a[m][u] = _mm512_fmadd_ps(w_even, _mm512_loadu_ps(xw), a[m][u]);
-          a[m][u] = _mm512_fmadd_ps(w_odd, _mm512_loadu_ps(xw + 16), a[m][u]);
+          a[m][u] = vs::fmadd(w_even, vs::load(xw), a[m][u]);
+          a[m][u] = vs::fmadd(w_odd, vs::load(xw + 16), a[m][u]);
         }
 #endif
       }
     }
     for (int m = 0; m < M; ++m) {
-      __m512 s = a[m][0];
-      for (int u = 1; u < U; ++u) s = _mm512_add_ps(s, a[m][u]);
-      float total = _mm512_reduce_add_ps(s);
+      vf s = a[m][0];
+      for (int u = 1; u < U; ++u) s = vs::add(s, a[m][u]);
+      float total = vs::reduce_add(s);
       for (int64_t k = k_vec; k < K; ++k) total += f32(wr[k]) * f32(x[m * K + k]);
       acc[m * ld_acc + (n - n0)] = total;
     }
   }
 }
 
-#ifndef __AVX512BF16__
+#ifndef VS_BF16_DOT
 // Emulated, 4+ rows: register blocks of 4 weight rows x MR activation rows. Row by row (above),
 // every FMA loaded its activation vector and 16 rows of widened activations overflow L1: at 16
 // rows that ran at a quarter of the FMA peak. Here each activation load feeds 4 weight rows,
@@ -181,29 +144,27 @@ template <int MR>
 void dot_block(const Activations& xs, const bf16* const* wr, const bf16* next, int m0,
                float (*out)[4]) {
   const int64_t K = xs.K, k_vec = K / 32 * 32;
-  __m512 a[MR][4];
+  vf a[MR][4];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < 4; ++j) a[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < 4; ++j) a[i][j] = vs::zero();
   for (int64_t k = 0; k < k_vec; k += 32) {
     if (next != nullptr)  // the next group's rows, one line of each per line consumed here
-      for (int j = 0; j < 4; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(next + j * K + k), _MM_HINT_T0);
-    __m512 w_even[4], w_odd[4];
-    for (int j = 0; j < 4; ++j)
-      vs_simd::widen_pairs(_mm512_loadu_si512(wr[j] + k), w_even[j], w_odd[j]);
+      for (int j = 0; j < 4; ++j) __builtin_prefetch(reinterpret_cast<const char*>(next + j * K + k));
+    vf w_even[4], w_odd[4];
+    for (int j = 0; j < 4; ++j) vs::widen_pairs(vs::load_pairs(wr[j] + k), w_even[j], w_odd[j]);
     for (int i = 0; i < MR; ++i) {
       const float* xw = xs.wide.data() + (m0 + i) * K + k;
-      const __m512 x_even = _mm512_loadu_ps(xw), x_odd = _mm512_loadu_ps(xw + 16);
+      const vf x_even = vs::load(xw), x_odd = vs::load(xw + 16);
       for (int j = 0; j < 4; ++j)
-        a[i][j] = _mm512_fmadd_ps(w_odd[j], x_odd, _mm512_fmadd_ps(w_even[j], x_even, a[i][j]));
+        a[i][j] = vs::fmadd(w_odd[j], x_odd, vs::fmadd(w_even[j], x_even, a[i][j]));
     }
   }
   // the MR x 4 sums in one transpose-and-add tree rather than one reduction each
-  __m512 v[16];
+  vf v[16];
   for (int i = 0; i < 4; ++i)
-    for (int j = 0; j < 4; ++j) v[i * 4 + j] = i < MR ? a[i][j] : _mm512_setzero_ps();
+    for (int j = 0; j < 4; ++j) v[i * 4 + j] = i < MR ? a[i][j] : vs::zero();
   alignas(64) float sums[16];
-  _mm512_store_ps(sums, hsum16(v));
+  vs::store(sums, hsum16(v));
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < 4; ++j) {
       float total = sums[i * 4 + j];
@@ -221,7 +182,7 @@ constexpr int kMaxGemvRows = 16;
 
 void dot_rows_any(const Activations& xs, const bf16* w, int64_t n0, int64_t n1, float* acc,
                   int64_t ld_acc) {
-#ifndef __AVX512BF16__
+#ifndef VS_BF16_DOT
   if (xs.M >= 4) return dot_rows_blocked(xs, w, n0, n1, acc, ld_acc);
 #endif
   switch (xs.M) {
@@ -246,7 +207,10 @@ void dot_rows_any(const Activations& xs, const bf16* w, int64_t n0, int64_t n1, 
   }
 }
 
-#ifndef __AVX512BF16__
+#ifndef VS_BF16_DOT
+// activation rows per dot_block: its MR x 4 accumulators fill half the register file
+constexpr int kBlockRows = vs::kVecRegs >= 32 ? 4 : 2;
+
 void dot_rows_blocked(const Activations& xs, const bf16* w, int64_t n0, int64_t n1, float* acc,
                       int64_t ld_acc) {
   const int64_t K = xs.K;
@@ -259,9 +223,9 @@ void dot_rows_blocked(const Activations& xs, const bf16* w, int64_t n0, int64_t 
     // ramp up on: the first activation block of each group fetches the next group's rows
     // (8.2 GB/s without this at 16 rows)
     const bf16* next = n + 8 <= n1 ? w + (n + 4) * K : nullptr;
-    for (int m0 = 0; m0 < xs.M; m0 += 4) {
+    for (int m0 = 0; m0 < xs.M; m0 += kBlockRows) {
       float out[4][4];
-      const int mr = std::min(4, xs.M - m0);
+      const int mr = std::min(kBlockRows, xs.M - m0);
       const bf16* pf = m0 == 0 ? next : nullptr;
       switch (mr) {
         case 1: dot_block<1>(xs, wr, pf, m0, out); break;
@@ -295,9 +259,11 @@ struct Panels {
 
 constexpr int64_t kPanel = 32;
 constexpr int kPanelRows = 8;  // fewest rows that take the panels: at 6 they were 4 % slower
-constexpr int kPanelBlock = 8;  // activation rows per register block: 16 accumulators
+// activation rows per register block: 2 accumulators each (16 of 32 AVX-512 registers; 4
+// logical vectors, half the file, on AVX2)
+constexpr int kPanelBlock = vs::kVecRegs >= 32 ? 8 : 2;
 
-#ifndef __AVX512BF16__
+#ifndef VS_BF16_DOT
 // w rows [row0, row0 + rows) as panels, written to ``dst`` (panel_bytes(rows, K) of them)
 void pack_panels(const at::Tensor& w, int64_t row0, int64_t rows, uint16_t* dst) {
   const int64_t K = w.size(1), P = (rows + kPanel - 1) / kPanel;
@@ -326,30 +292,29 @@ template <int R>
 __attribute__((noinline)) void panel_block(const float* x, int64_t K, const uint16_t* panel,
                                            int64_t i0, int64_t i1, bool first, bool prefetch,
                                            float (*acc_io)[kPanel]) {
-  __m512 acc[R][2];
+  vf acc[R][2];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 2; ++v)
-      acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_io[r] + 16 * v);
+    for (int v = 0; v < 2; ++v) acc[r][v] = first ? vs::zero() : vs::load(acc_io[r] + 16 * v);
   for (int64_t i = i0; i < i1; ++i) {
     const uint16_t* wp = panel + i * 2 * kPanel;
     // both lines of the pair 8 KiB ahead (4 KiB: 2 % slower at 16 rows, 16 KiB: no better)
     if (prefetch) {
-      _mm_prefetch(reinterpret_cast<const char*>(wp) + 8192, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wp) + 8192 + 64, _MM_HINT_T0);
+      __builtin_prefetch(reinterpret_cast<const char*>(wp) + 8192);
+      __builtin_prefetch(reinterpret_cast<const char*>(wp) + 8192 + 64);
     }
-    __m512 e0, o0, e1, o1;
-    vs_simd::widen_pairs(_mm512_loadu_si512(wp), e0, o0);
-    vs_simd::widen_pairs(_mm512_loadu_si512(wp + 32), e1, o1);
+    vf e0, o0, e1, o1;
+    vs::widen_pairs(vs::load_pairs(wp), e0, o0);
+    vs::widen_pairs(vs::load_pairs(wp + 32), e1, o1);
     for (int r = 0; r < R; ++r) {
-      const __m512 xe = _mm512_set1_ps(x[r * K + 2 * i]);
-      const __m512 xo = _mm512_set1_ps(x[r * K + 2 * i + 1]);
-      acc[r][0] = _mm512_fmadd_ps(o0, xo, _mm512_fmadd_ps(e0, xe, acc[r][0]));
-      acc[r][1] = _mm512_fmadd_ps(o1, xo, _mm512_fmadd_ps(e1, xe, acc[r][1]));
+      const vf xe = vs::set1(x[r * K + 2 * i]);
+      const vf xo = vs::set1(x[r * K + 2 * i + 1]);
+      acc[r][0] = vs::fmadd(o0, xo, vs::fmadd(e0, xe, acc[r][0]));
+      acc[r][1] = vs::fmadd(o1, xo, vs::fmadd(e1, xe, acc[r][1]));
     }
   }
   for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(acc_io[r], acc[r][0]);
-    _mm512_storeu_ps(acc_io[r] + 16, acc[r][1]);
+    vs::store(acc_io[r], acc[r][0]);
+    vs::store(acc_io[r] + 16, acc[r][1]);
   }
 }
 
@@ -398,8 +363,8 @@ void panel_rows(const float* x, int M, const Panels& w, int64_t p0, int64_t p1, 
 std::vector<float> widen_rows(int M, const bf16* x, int64_t K) {
   std::vector<float> xf(static_cast<size_t>(M) * K);
   for (int64_t i = 0; i < M * K; i += 16) {
-    const __mmask16 k = lanes(M * K - i);
-    _mm512_mask_storeu_ps(xf.data() + i, k, load_bf16(x + i, k));
+    const int64_t k = M * K - i;
+    vs::store(xf.data() + i, vs::load_bf16(x + i, k), k);
   }
   return xf;
 }
@@ -471,16 +436,16 @@ void matvec(int M, const bf16* x, const at::Tensor& w, int64_t N, Epilogue epilo
 
 // out = weight * bf16(x * rsqrt(mean(x^2) + eps)), both products rounded as eager bf16 does
 void rms_norm(const bf16* x, const bf16* weight, bf16* out, int64_t H, float eps) {
-  __m512 ss = _mm512_setzero_ps();
+  vf ss = vs::zero();
   for (int64_t i = 0; i < H; i += 16) {
-    const __m512 v = load_bf16(x + i, lanes(H - i));
-    ss = _mm512_fmadd_ps(v, v, ss);
+    const vf v = vs::load_bf16(x + i, H - i);
+    ss = vs::fmadd(v, v, ss);
   }
-  const __m512 r = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / H + eps));
+  const vf r = vs::set1(1.0f / std::sqrt(vs::reduce_add(ss) / H + eps));
   for (int64_t i = 0; i < H; i += 16) {
-    const __mmask16 k = lanes(H - i);
-    const __m512 y = round_bf16(_mm512_mul_ps(load_bf16(x + i, k), r));
-    store_bf16(out + i, _mm512_mul_ps(load_bf16(weight + i, k), y), k);
+    const int64_t k = H - i;
+    const vf y = round_bf16(vs::mul(vs::load_bf16(x + i, k), r));
+    vs::store_bf16(out + i, vs::mul(vs::load_bf16(weight + i, k), y), k);
   }
 }
 
@@ -489,9 +454,9 @@ void rms_norm(const bf16* x, const bf16* weight, bf16* out, int64_t H, float eps
 // and a single long context still spreads over every core. Each task leaves per-head partial
 // softmax results (max, sum, unnormalised output) that are merged afterwards.
 // q: M rows of H heads x D (row stride q_stride); out: [M, H, D]; caches: [slots, KVH, D].
-// The query as key_scores reads it: bf16 pairs with AVX512-BF16 (one vector per 32 elements);
+// The query as key_scores reads it: bf16 pairs with the dot product (one vector per 32 elements);
 // emulated, widened once per row to fp32 (its even and odd elements: two vectors)
-#ifdef __AVX512BF16__
+#ifdef VS_BF16_DOT
 constexpr int64_t kQWords = 1;
 #else
 constexpr int64_t kQWords = 2;
@@ -503,31 +468,29 @@ constexpr int64_t kQWords = 2;
 // walk each cache row front to back (KV head by KV head over the tile read 14 GB/s).
 template <int G>
 void key_scores_fixed(const bf16* const* keys, const bf16* const* next, int64_t kv_heads,
-                      int64_t D, int64_t heads_per_kv, int64_t g0, int64_t nc, __mmask32 last,
-                      const __m512* qs, __m512* part) {
-  const __mmask32 full = ~__mmask32(0);
+                      int64_t D, int64_t heads_per_kv, int64_t g0, int64_t nc, int64_t last,
+                      const vf* qs, vf* part) {
   const int64_t row_bytes = kv_heads * D * 2;
   for (int t = 0; t < 16; ++t) {
     if (next != nullptr)  // the next tile's key t, one line per line read here
       for (int64_t b = 0; b < row_bytes; b += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(next[t]) + b, _MM_HINT_T0);
+        __builtin_prefetch(reinterpret_cast<const char*>(next[t]) + b);
     for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
       const int64_t h0 = kvh * heads_per_kv + g0;
-      const __m512* q = qs + h0 * nc * kQWords;
-      __m512 acc[G];
-      for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+      const vf* q = qs + h0 * nc * kQWords;
+      vf acc[G];
+      for (int g = 0; g < G; ++g) acc[g] = vs::zero();
       for (int64_t c = 0; c < nc; ++c) {
-        const __m512i kv =
-            _mm512_maskz_loadu_epi16(c == nc - 1 ? last : full, keys[t] + kvh * D + 32 * c);
-#ifdef __AVX512BF16__
+        const vs::vpair kv = vs::load_pairs(keys[t] + kvh * D + 32 * c, c == nc - 1 ? last : 32);
+#ifdef VS_BF16_DOT
         for (int g = 0; g < G; ++g)
-          acc[g] = dot_bf16_pairs(acc[g], kv, _mm512_castps_si512(q[g * nc + c]));
+          acc[g] = vs::dot_pairs(acc[g], kv, vs::vf_as_pairs(q[g * nc + c]));
 #else
-        __m512 k_even, k_odd;
-        vs_simd::widen_pairs(kv, k_even, k_odd);
+        vf k_even, k_odd;
+        vs::widen_pairs(kv, k_even, k_odd);
         for (int g = 0; g < G; ++g) {
-          const __m512* qg = q + (g * nc + c) * 2;
-          acc[g] = _mm512_fmadd_ps(k_odd, qg[1], _mm512_fmadd_ps(k_even, qg[0], acc[g]));
+          const vf* qg = q + (g * nc + c) * 2;
+          acc[g] = vs::fmadd(k_odd, qg[1], vs::fmadd(k_even, qg[0], acc[g]));
         }
 #endif
       }
@@ -536,9 +499,12 @@ void key_scores_fixed(const bf16* const* keys, const bf16* const* next, int64_t 
   }
 }
 
+// query heads per pass of key_scores: their accumulators plus a key's two halves in registers
+constexpr int64_t kHeadsPerPass = vs::kVecRegs >= 32 ? 8 : 4;
+
 void key_scores(int64_t G, const bf16* const* keys, const bf16* const* next, int64_t kv_heads,
-                int64_t D, int64_t heads_per_kv, int64_t g0, int64_t nc, __mmask32 last,
-                const __m512* qs, __m512* part) {
+                int64_t D, int64_t heads_per_kv, int64_t g0, int64_t nc, int64_t last,
+                const vf* qs, vf* part) {
 #define VS_KEY_SCORES(GG) \
   key_scores_fixed<GG>(keys, next, kv_heads, D, heads_per_kv, g0, nc, last, qs, part)
   switch (G) {
@@ -560,9 +526,9 @@ void key_scores(int64_t G, const bf16* const* keys, const bf16* const* next, int
 template <int G, int ND>
 void weigh_values_fixed(const float* probs, int64_t ld, const bf16* v0, int64_t kv_size,
                         const int64_t* slots, int64_t n, int64_t visible, float* out) {
-  __m512 acc[G][ND];
+  vf acc[G][ND];
   for (int g = 0; g < G; ++g)
-    for (int d = 0; d < ND; ++d) acc[g][d] = _mm512_loadu_ps(out + (g * ND + d) * 16);
+    for (int d = 0; d < ND; ++d) acc[g][d] = vs::load(out + (g * ND + d) * 16);
   // two cores' demand misses alone read ~14 GB/s, and the hardware prefetcher stops at every
   // 4 KiB page and cache block: the rows 32 keys ahead (up to ``visible``) are asked for
   // (8 keys ahead: 1.24 ms a layer at batch 16 and 1,400 keys; 32: 1.14)
@@ -571,17 +537,17 @@ void weigh_values_fixed(const float* probs, int64_t ld, const bf16* v0, int64_t 
     const bf16* v = v0 + slots[j] * kv_size;
     if (j + kAhead < visible) {
       const char* next = reinterpret_cast<const char*>(v0 + slots[j + kAhead] * kv_size);
-      for (int d = 0; d < ND; d += 2) _mm_prefetch(next + d * 32, _MM_HINT_T0);
+      for (int d = 0; d < ND; d += 2) __builtin_prefetch(next + d * 32);
     }
-    __m512 p[G];
-    for (int g = 0; g < G; ++g) p[g] = _mm512_set1_ps(probs[g * ld + j]);
+    vf p[G];
+    for (int g = 0; g < G; ++g) p[g] = vs::set1(probs[g * ld + j]);
     for (int d = 0; d < ND; ++d) {
-      const __m512 vv = load16(v + 16 * d);
-      for (int g = 0; g < G; ++g) acc[g][d] = _mm512_fmadd_ps(p[g], vv, acc[g][d]);
+      const vf vv = vs::load_bf16(v + 16 * d);
+      for (int g = 0; g < G; ++g) acc[g][d] = vs::fmadd(p[g], vv, acc[g][d]);
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int d = 0; d < ND; ++d) _mm512_storeu_ps(out + (g * ND + d) * 16, acc[g][d]);
+    for (int d = 0; d < ND; ++d) vs::store(out + (g * ND + d) * 16, acc[g][d]);
 }
 
 template <int ND>
@@ -601,8 +567,10 @@ void weigh_values_nd(int64_t g, const float* probs, int64_t ld, const bf16* v0, 
 
 void weigh_values(int64_t G, int64_t nd, const float* probs, int64_t ld, const bf16* v0,
                   int64_t kv_size, const int64_t* slots, int64_t n, int64_t visible, float* out) {
-  // at most 24 accumulators (of 32 registers) per pass over the slots
-  const int64_t per_pass = std::max<int64_t>(1, std::min<int64_t>({G, 24 / nd, 8}));
+  // accumulators per pass over the slots: three quarters of the register file (24 of 32
+  // AVX-512 registers)
+  constexpr int64_t kBudget = vs::kVecRegs * 3 / 4;
+  const int64_t per_pass = std::max<int64_t>(1, std::min<int64_t>({G, kBudget / nd, 8}));
   for (int64_t g0 = 0; g0 < G; g0 += per_pass) {
     const int64_t g = std::min(per_pass, G - g0);
     const float* pg = probs + g0 * ld;
@@ -625,8 +593,7 @@ void paged_decode_attention(int M, const bf16* q, int64_t q_stride, bf16* out, i
                             const int64_t* tab, const int64_t* len, int64_t max_blocks,
                             int64_t block_size, float scale) {
     const int64_t G = H / KVH, kv_size = KVH * D, nd = D / 16, nc = (D + 31) / 32;
-    const __mmask32 full = ~__mmask32(0);
-    const __mmask32 last = D % 32 ? (__mmask32(1) << (D % 32)) - 1 : full;
+    const int64_t last = D % 32 ? D % 32 : 32;  // elements in a head's last 32-element chunk
 
     // splits per row: enough tasks for every thread, none shorter than kMinSplit keys
     constexpr int64_t kMinSplit = 128;
@@ -643,7 +610,7 @@ void paged_decode_attention(int M, const bf16* q, int64_t q_stride, bf16* out, i
     at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
       std::vector<float> scores;
       std::vector<int64_t> slots;
-      std::vector<__m512> qs(H * nc * kQWords), part(H * 16);
+      std::vector<vf> qs(H * nc * kQWords), part(H * 16);
       for (int64_t task = t0; task < t1; ++task) {
         const int64_t m = std::upper_bound(first_task.begin(), first_task.end(), task) -
                           first_task.begin() - 1;
@@ -653,12 +620,11 @@ void paged_decode_attention(int M, const bf16* q, int64_t q_stride, bf16* out, i
         const bf16* row = q + m * q_stride;
         for (int64_t h = 0; h < H; ++h)
           for (int64_t c = 0; c < nc; ++c) {
-            const __m512i pairs =
-                _mm512_maskz_loadu_epi16(c == nc - 1 ? last : full, row + h * D + 32 * c);
-#ifdef __AVX512BF16__
-            qs[h * nc + c] = _mm512_castsi512_ps(pairs);
+            const vs::vpair pairs = vs::load_pairs(row + h * D + 32 * c, c == nc - 1 ? last : 32);
+#ifdef VS_BF16_DOT
+            qs[h * nc + c] = vs::pairs_as_vf(pairs);
 #else
-            vs_simd::widen_pairs(pairs, qs[(h * nc + c) * 2], qs[(h * nc + c) * 2 + 1]);
+            vs::widen_pairs(pairs, qs[(h * nc + c) * 2], qs[(h * nc + c) * 2 + 1]);
 #endif
           }
         slots.resize(n);  // walk the block table once, no division per key
@@ -679,30 +645,29 @@ void paged_decode_attention(int M, const bf16* q, int64_t q_stride, bf16* out, i
           const bool has_next = j0 + 16 < n;  // the next tile's keys, asked for while these run
           for (int64_t t = 0; t < 16 && has_next; ++t)
             next[t] = kc + slots[std::min(j0 + 16 + t, n - 1)] * kv_size;
-          for (int64_t g0 = 0; g0 < G; g0 += 8)
-            key_scores(std::min<int64_t>(8, G - g0), keys, has_next && g0 == 0 ? next : nullptr,
+          for (int64_t g0 = 0; g0 < G; g0 += kHeadsPerPass)
+            key_scores(std::min<int64_t>(kHeadsPerPass, G - g0), keys, has_next && g0 == 0 ? next : nullptr,
                        KVH, D, G, g0, nc, last, qs.data(), part.data());
           for (int64_t h = 0; h < H; ++h) {
             float* dst = scores.data() + h * padded + j0;
-            _mm512_storeu_ps(dst,
-                             _mm512_mul_ps(hsum16(part.data() + h * 16), _mm512_set1_ps(scale)));
+            vs::store(dst, vs::mul(hsum16(part.data() + h * 16), vs::set1(scale)));
             for (int64_t t = cnt; t < 16; ++t) dst[t] = -INFINITY;
           }
         }
         // softmax numerators (kept in scores) and this split's max and sum per head
         for (int64_t h = 0; h < H; ++h) {
           float* sc = scores.data() + h * padded;
-          __m512 mx = _mm512_set1_ps(-INFINITY);
-          for (int64_t j = 0; j < padded; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sc + j));
-          const float top = _mm512_reduce_max_ps(mx);
-          __m512 sum = _mm512_setzero_ps();
+          vf mx = vs::set1(-INFINITY);
+          for (int64_t j = 0; j < padded; j += 16) mx = vs::max(mx, vs::load(sc + j));
+          const float top = vs::reduce_max(mx);
+          vf sum = vs::zero();
           for (int64_t j = 0; j < padded; j += 16) {
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + j), _mm512_set1_ps(top)));
-            _mm512_storeu_ps(sc + j, e);
-            sum = _mm512_add_ps(sum, e);
+            const vf e = vs::exp(vs::sub(vs::load(sc + j), vs::set1(top)));
+            vs::store(sc + j, e);
+            sum = vs::add(sum, e);
           }
           part_max[task * H + h] = top;
-          part_sum[task * H + h] = _mm512_reduce_add_ps(sum);
+          part_sum[task * H + h] = vs::reduce_add(sum);
         }
         // weighted values, one KV head's group of query heads at a time: its G x nd
         // accumulators stay in registers (all heads' would not: every FMA was a load and a
@@ -828,7 +793,7 @@ class FusedDecoder {
     qkv_size_ = (num_heads + 2 * num_kv_heads) * head_dim;
     intermediate_ = layers_[0].down_w.size(1);
     TORCH_CHECK(layers_[0].qkv_w.size(0) == qkv_size_, "qkv weight shape");
-#ifndef __AVX512BF16__
+#ifndef VS_BF16_DOT
     if (hidden_ % 2 == 0 && intermediate_ % 2 == 0 && qkv_size_ % 2 == 0) build_panels();
 #endif
   }
@@ -877,9 +842,9 @@ class FusedDecoder {
     auto add_to_residual = [&](int64_t n0, int64_t n1, const float* acc) {
       for (int m = 0; m < M; ++m)
         for (int64_t n = n0; n < n1; n += 16) {
-          const __mmask16 k = lanes(n1 - n);
-          const __m512 y = round_bf16(_mm512_maskz_loadu_ps(k, acc + m * (n1 - n0) + n - n0));
-          store_bf16(x + m * H + n, _mm512_add_ps(load_bf16(x + m * H + n, k), y), k);
+          const int64_t k = n1 - n;
+          const vf y = round_bf16(vs::load(acc + m * (n1 - n0) + n - n0, k));
+          vs::store_bf16(x + m * H + n, vs::add(vs::load_bf16(x + m * H + n, k), y), k);
         }
     };
     at::Tensor act_t = at::empty({M, I}, opts);
@@ -891,9 +856,9 @@ class FusedDecoder {
       linear(M, h_t, L.qkv_w, L.qkv_p, L.qkv_n, qkv_size_, [&](int64_t n0, int64_t n1, const float* acc) {
         for (int m = 0; m < M; ++m)
           for (int64_t n = n0; n < n1; n += 16) {
-            const __mmask16 k = lanes(n1 - n);
-            const __m512 y = _mm512_maskz_loadu_ps(k, acc + m * (n1 - n0) + n - n0);
-            store_bf16(qkv + m * qkv_size_ + n, _mm512_add_ps(y, load_bf16(bias + n, k)), k);
+            const int64_t k = n1 - n;
+            const vf y = vs::load(acc + m * (n1 - n0) + n - n0, k);
+            vs::store_bf16(qkv + m * qkv_size_ + n, vs::add(y, vs::load_bf16(bias + n, k)), k);
           }
       });
       rotary_and_store(M, qkv, cos_t.data_ptr<bf16>(), sin_t.data_ptr<bf16>(), L, new_slot);
@@ -902,7 +867,7 @@ class FusedDecoder {
                              max_blocks, block_size, 1.0f / std::sqrt(float(head_dim_)));
       linear(M, attn_t, L.o_w, L.o_p, L.o_n, H, add_to_residual);
       norm_rows(L.ln2.data_ptr<bf16>());
-#ifndef __AVX512BF16__
+#ifndef VS_BF16_DOT
       if (M >= kPanelRows && L.gate_n.defined()) {
         const std::vector<float> hf = widen_rows(M, h, H);
         at::parallel_for(0, (I + kPanel - 1) / kPanel, 1, [&](int64_t p0, int64_t p1) {
@@ -950,16 +915,16 @@ class FusedDecoder {
     linear(M, h_t, lm_head_, lm_head_p_, lm_head_n_, V, [&](int64_t n0, int64_t n1, const float* acc) {
       for (int m = 0; m < M; ++m)
         for (int64_t n = n0; n < n1; n += 16) {
-          const __mmask16 k = lanes(n1 - n);
-          const __m512 y = _mm512_maskz_loadu_ps(k, acc + m * (n1 - n0) + n - n0);
-          _mm512_mask_storeu_ps(out + m * V + n, k, round_bf16(y));
+          const int64_t k = n1 - n;
+          const vf y = vs::load(acc + m * (n1 - n0) + n - n0, k);
+          vs::store(out + m * V + n, round_bf16(y), k);
         }
     });
     return logits;
   }
 
  private:
-#ifndef __AVX512BF16__
+#ifndef VS_BF16_DOT
   // Every matrix's panels in one huge-page arena: ~ the bf16 weights' size again
   void build_panels() {
     struct Spec {
@@ -1009,7 +974,7 @@ class FusedDecoder {
               const Panels& panels, int64_t N, Epilogue epilogue) const {
     const int64_t K = w.size(1);
     TORCH_CHECK(x.size(1) == K && x.is_contiguous(), "linear input shape");
-#ifndef __AVX512BF16__
+#ifndef VS_BF16_DOT
     if (M >= kPanelRows && panels.defined()) {
       matvec_panels(M, x.data_ptr<bf16>(), panels, epilogue);
       return;
@@ -1085,8 +1050,8 @@ at::Tensor small_matmul(const at::Tensor& x, const at::Tensor& w) {
 // y = x @ w.T through the decode GEMV's panels (emulated builds; packs w on every call):
 // exposed for tests and the GEMV benchmark
 at::Tensor panel_matmul(const at::Tensor& x, const at::Tensor& w) {
-#ifdef __AVX512BF16__
-  TORCH_CHECK(false, "panels are the emulated build's GEMV; this build has AVX512-BF16");
+#ifdef VS_BF16_DOT
+  TORCH_CHECK(false, "panels are the emulated build's GEMV; this build has the bf16 dot product");
   return x;
 #else
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "bf16 only");
@@ -1119,6 +1084,14 @@ at::Tensor attend_packed(const at::Tensor& q, const std::vector<at::Tensor>& pac
                          bool causal);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // which traits header this build was written against, and whether it multiplies bf16 pairs
+  // natively (no GEMV panels then): tests and logs read these
+  m.attr("isa") = vs::kIsaName;
+#ifdef VS_BF16_DOT
+  m.attr("bf16_dot") = true;
+#else
+  m.attr("bf16_dot") = false;
+#endif
   pybind11::class_<FusedDecoder>(m, "FusedDecoder")
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor,
                           std::optional<at::Tensor>, int64_t, int64_t, int64_t, double, int64_t>())

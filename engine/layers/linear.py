@@ -98,9 +98,12 @@ def cpu_packing_available(dtype: torch.dtype) -> bool:
         return False
 
 
-def pack_linears(module: nn.Module, skip_prefixes: tuple[str, ...] = ()) -> int:
+def pack_linears(
+    module: nn.Module, skip_prefixes: tuple[str, ...] = (), upcast_bf16: bool | None = None
+) -> int:
     """Replace every ``nn.Linear`` under ``module`` (except under ``skip_prefixes``) in place:
-    packed for oneDNN, or, bf16 on a CPU without bf16 arithmetic, an :class:`UpcastLinear`."""
+    packed for oneDNN, or, bf16 on a CPU without bf16 arithmetic (``upcast_bf16``: the
+    platform plan's call; None probes the CPU), an :class:`UpcastLinear`."""
     from engine.device import cpu_has_fast_bf16
 
     targets = [
@@ -108,7 +111,7 @@ def pack_linears(module: nn.Module, skip_prefixes: tuple[str, ...] = ()) -> int:
         for name, child in module.named_modules()
         if isinstance(child, nn.Linear) and not name.startswith(skip_prefixes)
     ]
-    emulated = not cpu_has_fast_bf16()
+    emulated = not cpu_has_fast_bf16() if upcast_bf16 is None else upcast_bf16
     kernels = None
     if emulated:
         from engine.kernels import load_cpu_decode

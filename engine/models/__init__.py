@@ -11,11 +11,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.device import cpu_has_fast_bf16
 from engine.errors import UnsupportedModelError
 from engine.kernels import load_cpu_decode
-from engine.layers.linear import cpu_packing_available, pack_linears
+from engine.layers.linear import pack_linears
 from engine.layers.quantized import quantize_linears
+from engine.platform import PlatformPlan, plan_platform, vision_compute_dtype
+
+__all__ = ["load_model", "read_architecture", "vision_compute_dtype"]
 
 log = logging.getLogger("engine.models")
 
@@ -49,20 +51,6 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def vision_compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The vision tower's dtype: the model's, except bf16 on a CPU without bf16 arithmetic.
-
-    There every bf16 product is computed in fp32 anyway (widened weights, engine.kernels'
-    emulated attention), and a bf16 tower only adds conversions and rounding: per 256-row
-    item each linear widened its weight and converted its input and output, ~10 % of a
-    frame. The tower is ~2 % of a bench checkpoint's weights, so fp32 costs little memory;
-    its output is cast to the model's dtype where it enters the decoder.
-    """
-    if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_fast_bf16():
-        return torch.float32
-    return dtype
-
-
 def load_model(
     model_dir: str | Path,
     dtype: torch.dtype,
@@ -70,8 +58,20 @@ def load_model(
     pack_cpu_weights: bool = True,
     cpu_kernels: bool = True,
     quantization: str | None = None,
+    plan: PlatformPlan | None = None,
 ):
-    """Build the model for ``model_dir``'s architecture and load its weights by tensor name."""
+    """Build the model for ``model_dir``'s architecture and load its weights by tensor name.
+
+    How the weights are kept (kernels, packing, quantization, the tower's dtype) follows the
+    platform ``plan``; without one it is planned here from the other arguments."""
+    if plan is None:
+        plan = plan_platform(
+            device,
+            dtype,
+            cpu_kernels=cpu_kernels,
+            quantization=quantization,
+            pack_cpu_weights=pack_cpu_weights,
+        )
     from transformers import AutoConfig
 
     from engine.models.qwen2_vl import Qwen2VLModel, build_vision_tower
@@ -86,21 +86,13 @@ def load_model(
         model = Qwen2VLModel(hf_config, arch, with_vision=False)
     model = model.to_empty(device=device).to(dtype)
     visual = build_vision_tower(hf_config, arch).to(device=device)
-    vision_dtype = vision_compute_dtype(dtype, device)
+    vision_dtype = plan.vision_dtype
     for param in visual.parameters():  # parameters only: rotary inv_freq buffers stay fp32
         param.data = param.data.to(vision_dtype)
     model.visual = visual
     model.load_weights(iter_safetensors(model_dir))
     model.eval()
-    if quantization is not None:
-        if device.type != "cpu":
-            raise ValueError(f"--quantization {quantization} runs on CPU only for now")
-        cpu_kernels = False  # the fused decode step reads 16-bit weights; int8 runs eager
-    cpu_linears = device.type == "cpu" and pack_cpu_weights and cpu_packing_available(dtype)
-    # bf16 on a CPU without bf16 arithmetic: linears keep bf16 weights and widen them for
-    # prefill-sized products (engine.layers.linear.UpcastLinear)
-    emulated_bf16 = cpu_linears and dtype == torch.bfloat16 and not cpu_has_fast_bf16()
-    if device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels:
+    if plan.use_cpu_kernels:
         kernels = load_cpu_decode()
         if kernels is not None:  # before packing: the kernel reads plain row-major weights
             params = model.decode_kernel_params()
@@ -112,24 +104,21 @@ def load_model(
             model.decode_kernel_weights_hp = hp
             model.set_cpu_kernels(kernels)
             log.info("native CPU kernels on (decoder weights on huge pages)")
-    if cpu_linears and (model.cpu_kernels is not None or emulated_bf16):
+    if plan.cpu_linears and (model.cpu_kernels is not None or plan.emulated_bf16):
         # the vision tower's linears run once per 64-row work item: F.linear would re-lay-out
         # (or, emulated, run at a fifth of the fp32 rate) each bf16 weight every time
-        log.info("replaced %d vision linears for the CPU", pack_linears(visual))
-    if quantization == "int8":
+        replaced = pack_linears(visual, upcast_bf16=plan.emulated_bf16)
+        log.info("replaced %d vision linears for the CPU", replaced)
+    if plan.quantization == "int8":
         # the head too: on small models it is a quarter of the weight bytes a step reads
         replaced = quantize_linears(model, skip_prefixes=("visual",))
         log.info("replaced %d decoder linears (weight-only int8)", replaced)
-    elif cpu_linears:
-        if model.tie_word_embeddings and not emulated_bf16:
+    elif plan.cpu_linears:
+        if model.tie_word_embeddings and not plan.emulated_bf16:
             # the packed head must not alias the embedding table
             model.lm_head.weight = torch.nn.Parameter(model.embed_tokens.weight.detach().clone())
-        replaced = pack_linears(model, skip_prefixes=("visual",))
-        log.info(
-            "replaced %d decoder linears (%s)",
-            replaced,
-            "bf16 widened to fp32 for prefill" if emulated_bf16 else "oneDNN-packed",
-        )
+        replaced = pack_linears(model, skip_prefixes=("visual",), upcast_bf16=plan.emulated_bf16)
+        log.info("replaced %d decoder linears (%s)", replaced, plan.linear_kind)
     log.info(
         "model_loaded arch=%s dtype=%s device=%s params=%.1fM secs=%.2f",
         arch,

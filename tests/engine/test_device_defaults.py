@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
+import pytest
 import torch
 
 import engine.device
-from engine.config import EngineArgs
 from engine.device import resolve_dtype
 from engine.kernels import load_cpu_decode
-from engine.llm_engine import LLMEngine
+from engine.platform import encoder_rows_per_item, plan_platform
 
 CPU = torch.device("cpu")
 
@@ -27,18 +25,75 @@ def test_auto_dtype_without_bf16_arithmetic_or_kernels_is_fp32(monkeypatch) -> N
     assert resolve_dtype("auto", CPU, cpu_kernels=False) == torch.float32
 
 
+def test_kernel_variant_follows_the_instruction_set(monkeypatch) -> None:
+    """One module per variant: AVX-512 with or without its bf16 dot product, else AVX2; the
+    compile check covers the others."""
+    import engine.kernels as kernels
+
+    cases = [
+        ((True, True, True), "native-bf16"),
+        ((True, False, True), "emulated-bf16"),
+        ((False, False, True), "avx2"),
+        ((False, False, False), None),
+    ]
+    for (avx512, bf16, avx2), want in cases:
+        monkeypatch.setattr(kernels, "cpu_supports_avx512", lambda v=avx512: v)
+        monkeypatch.setattr(kernels, "cpu_supports_avx512_bf16", lambda v=bf16: v)
+        monkeypatch.setattr(kernels, "cpu_supports_avx2", lambda v=avx2: v)
+        assert kernels.cpu_variant() == want
+        assert set(kernels.variants_not_loaded()) == set(kernels.VARIANTS) - {want}
+
+
 def _rows(device: str, dtype: torch.dtype, requested: int | None = None) -> int | None:
-    engine_like = SimpleNamespace(device=torch.device(device), dtype=dtype)
-    args = EngineArgs(model="unused", encoder_rows_per_item=requested)
-    return LLMEngine._encoder_rows_per_item(engine_like, args)
+    return encoder_rows_per_item(torch.device(device), dtype, requested)
 
 
 def test_encoder_items_follow_the_device(monkeypatch) -> None:
     assert _rows("cuda", torch.bfloat16) is None  # whole stages
     assert _rows("cpu", torch.float32) == 256
-    monkeypatch.setattr("engine.llm_engine.cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr("engine.platform.cpu_has_fast_bf16", lambda: True)
     assert _rows("cpu", torch.bfloat16) == 64
-    monkeypatch.setattr("engine.llm_engine.cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr("engine.platform.cpu_has_fast_bf16", lambda: False)
     assert _rows("cpu", torch.bfloat16) == 256
     assert _rows("cpu", torch.bfloat16, requested=32) == 32
     assert _rows("cpu", torch.bfloat16, requested=0) is None
+
+
+def _plan(monkeypatch, fast_bf16: bool, variant: str | None = "avx2", **kw):
+    import engine.kernels
+    import engine.layers.linear
+
+    monkeypatch.setattr("engine.platform.cpu_has_fast_bf16", lambda: fast_bf16)
+    monkeypatch.setattr(engine.kernels, "cpu_variant", lambda: variant)
+    monkeypatch.setattr(engine.layers.linear, "cpu_packing_available", lambda dtype: True)
+    return plan_platform(torch.device("cpu"), kw.pop("dtype", torch.bfloat16), **kw)
+
+
+def test_the_platform_plan_decides_together(monkeypatch) -> None:
+    """bf16 arithmetic: oneDNN-packed linears, a bf16 tower, small encoder items; bf16
+    emulated: weights kept bf16 and widened, an fp32 tower, 256-row items; int8: no fused
+    kernel (it reads 16-bit weights); the plan is one log line."""
+    fast = _plan(monkeypatch, True, variant="native-bf16")
+    assert (fast.linear_kind, fast.vision_dtype, fast.encoder_rows_per_item) == (
+        "onednn-packed",
+        torch.bfloat16,
+        64,
+    )
+    assert fast.use_cpu_kernels and not fast.emulated_bf16
+    emulated = _plan(monkeypatch, False)
+    assert (emulated.linear_kind, emulated.vision_dtype, emulated.encoder_rows_per_item) == (
+        "bf16-upcast",
+        torch.float32,
+        256,
+    )
+    assert emulated.use_cpu_kernels and emulated.emulated_bf16
+    assert "kernels=avx2" in emulated.describe() and "linears=bf16-upcast" in emulated.describe()
+    int8 = _plan(monkeypatch, False, quantization="int8")
+    assert int8.linear_kind == "int8" and not int8.use_cpu_kernels
+    assert not _plan(monkeypatch, False, variant=None).use_cpu_kernels  # no build applies
+    fp32 = _plan(monkeypatch, False, dtype=torch.float32)
+    assert fp32.linear_kind == "onednn-packed" and not fp32.use_cpu_kernels
+    unpacked = _plan(monkeypatch, True, pack_cpu_weights=False)
+    assert unpacked.linear_kind == "plain" and not unpacked.cpu_linears
+    with pytest.raises(ValueError, match="CPU only"):
+        plan_platform(torch.device("cuda"), torch.bfloat16, quantization="int8")

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.device import cpu_has_fast_bf16
 from engine.models import load_model, vision_compute_dtype
 from engine.models.vision_encoder import (
     MIN_SPLIT_ROWS,
@@ -164,9 +163,16 @@ def _load_with_bf16_tower(checkpoint):
     return model, hf_config, arch
 
 
-def test_bf16_model_tower_runs_in_fp32_where_bf16_is_emulated(tiny_checkpoint):
-    model = load_model(tiny_checkpoint, torch.bfloat16, torch.device("cpu"), cpu_kernels=False)[0]
-    want = torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+@pytest.mark.parametrize("fast_bf16", [True, False])
+def test_bf16_model_tower_runs_in_fp32_where_bf16_is_emulated(
+    tiny_checkpoint, monkeypatch, fast_bf16
+):
+    monkeypatch.setattr("engine.platform.cpu_has_fast_bf16", lambda: fast_bf16)
+    cpu = torch.device("cpu")
+    model = load_model(
+        tiny_checkpoint, torch.bfloat16, cpu, cpu_kernels=False, pack_cpu_weights=False
+    )[0]
+    want = torch.bfloat16 if fast_bf16 else torch.float32
     assert vision_compute_dtype(torch.bfloat16, torch.device("cpu")) == want
     assert {p.dtype for p in model.visual.parameters()} == {want}
     assert vision_compute_dtype(torch.float32, torch.device("cpu")) == torch.float32
@@ -257,7 +263,7 @@ def test_native_flash_attention_matches_the_fused_kernel(tiny_checkpoint, max_ro
 
     kernels = load_cpu_decode()
     if kernels is None:
-        pytest.skip("needs AVX-512 and a C++ compiler")
+        pytest.skip("needs AVX2 or AVX-512 and a C++ compiler")
     model, hf_config, arch = _load_with_bf16_tower(tiny_checkpoint)
     for param in model.visual.parameters():
         param.data = param.data.to(tower_dtype)

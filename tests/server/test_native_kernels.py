@@ -16,7 +16,7 @@ from vision_serve.settings import ServerSettings
 from .support import ServerHandle, data_url, image_message, make_engine, make_image, start_server
 
 pytestmark = pytest.mark.skipif(
-    load_cpu_decode() is None, reason="needs AVX-512 and a C++ compiler"
+    load_cpu_decode() is None, reason="needs AVX-512 or AVX2 and a C++ compiler"
 )
 
 

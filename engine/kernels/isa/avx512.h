@@ -1,0 +1,119 @@
+// AVX-512 traits (F/BW/VL/DQ + FMA): the vector vocabulary of isa.h on one 512-bit register.
+//
+// With -mavx512bf16 (Cooper Lake, Sapphire Rapids, Zen 4 and later) it also offers the bf16
+// pair dot product (VS_BF16_DOT); without it (Skylake-X, Ice Lake) kernels widen bf16 to fp32
+// where they load it and use fp32 FMAs, exactly as on AVX2.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace vs {
+
+constexpr const char* kIsaName = "avx512";
+// logical vectors (16 fp32) that fit in the register file: kernels size register blocks by it
+constexpr int kVecRegs = 32;
+
+using vf = __m512;     // 16 fp32
+using vh = __m256i;    // 16 bf16 (raw bits)
+using vpair = __m512i; // 32 bf16 in memory order: 16 (even, odd) pairs
+
+inline __mmask16 lanes(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+}
+
+inline vf zero() { return _mm512_setzero_ps(); }
+inline vf set1(float x) { return _mm512_set1_ps(x); }
+inline vf load(const float* p) { return _mm512_loadu_ps(p); }
+inline vf load(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(lanes(n), p); }
+inline void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline void store(float* p, vf v, int64_t n) { _mm512_mask_storeu_ps(p, lanes(n), v); }
+
+inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf div(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }    // a * b + c
+inline vf fmsub(vf a, vf b, vf c) { return _mm512_fmsub_ps(a, b, c); }    // a * b - c
+inline vf fnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
+inline float reduce_add(vf v) { return _mm512_reduce_add_ps(v); }
+inline float reduce_max(vf v) { return _mm512_reduce_max_ps(v); }
+inline vf round_nearest(vf x) {
+  return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+// p * 2^n for integral n (overflow gives inf, underflow 0)
+inline vf scale_pow2(vf p, vf n) { return _mm512_scalef_ps(p, n); }
+// any lane of v above x
+inline bool any_gt(vf v, float x) { return _mm512_cmp_ps_mask(v, set1(x), _CMP_GT_OQ) != 0; }
+// lanes [0, n) of v, ``fill`` in the others
+inline vf keep_first(vf v, int64_t n, float fill) { return _mm512_mask_mov_ps(set1(fill), lanes(n), v); }
+
+// bf16 <-> fp32. A bf16 is the top half of an fp32: widening is a shift.
+inline vf widen(vh raw) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)); }
+inline vf load_bf16(const void* p) { return widen(_mm256_loadu_si256(static_cast<const __m256i*>(p))); }
+inline vf load_bf16(const void* p, int64_t n) { return widen(_mm256_maskz_loadu_epi16(lanes(n), p)); }
+// 16 fp32 -> 16 bf16, round to nearest even (vcvtneps2bf16); inputs are finite
+inline vh to_bf16(vf x) {
+#ifdef __AVX512BF16__
+  return (__m256i)_mm512_cvtneps_pbh(x);
+#else
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+#endif
+}
+inline void store_bf16(void* p, vf v) { _mm256_storeu_si256(static_cast<__m256i*>(p), to_bf16(v)); }
+inline void store_bf16(void* p, vf v, int64_t n) { _mm256_mask_storeu_epi16(p, lanes(n), to_bf16(v)); }
+// fp32 -> nearest bf16 -> fp32
+inline vf round_bf16(vf x) { return widen(to_bf16(x)); }
+
+// 32 bf16 (a multiple of 2: ``n`` of them, the rest zeros)
+inline vpair load_pairs(const void* p) { return _mm512_loadu_si512(p); }
+inline vpair load_pairs(const void* p, int64_t n) {
+  const __mmask32 k = n >= 32 ? ~__mmask32(0) : (__mmask32(1) << n) - 1;
+  return _mm512_maskz_loadu_epi16(k, p);
+}
+// the even and odd elements of 16 pairs as two vectors of 16 fp32
+inline void widen_pairs(vpair v, vf& even, vf& odd) {
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// out[i] = sum of the 16 lanes of v[i]: a transpose-and-add tree, ~3 instructions per vector
+// against ~10 for a reduce of each
+inline vf hsum16(const vf* v) {
+  __m512 w[8], x[4], z[2];
+  for (int k = 0; k < 8; ++k)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    w[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
+                         _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k) {  // per 128-bit lane: that lane's sums of 4 vectors
+    const __m512d a = _mm512_castps_pd(w[2 * k]), b = _mm512_castps_pd(w[2 * k + 1]);
+    x[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int k = 0; k < 2; ++k)  // add 128-bit lanes pairwise
+    z[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88),
+                       _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
+}
+
+#ifdef __AVX512BF16__
+// The bf16 pair dot product: acc[i] += a[2i] * b[2i] + a[2i+1] * b[2i+1] (vdpbf16ps). Kernels
+// with VS_BF16_DOT keep bf16 pairs as they are instead of widening them.
+#define VS_BF16_DOT 1
+inline vf dot_pairs(vf acc, vpair a, vpair b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+// two adjacent bf16 values in every 32-bit lane, broadcast straight from memory (a load-port
+// operation, unlike a broadcast from a general register)
+inline vpair broadcast_pair(const void* p) {
+  return _mm512_castps_si512(_mm512_broadcastss_ps(_mm_load_ss(static_cast<const float*>(p))));
+}
+// pairs kept in an fp32 vector's storage (and back)
+inline vf pairs_as_vf(vpair v) { return _mm512_castsi512_ps(v); }
+inline vpair vf_as_pairs(vf v) { return _mm512_castps_si512(v); }
+#endif
+
+}  // namespace vs

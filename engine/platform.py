@@ -1,0 +1,163 @@
+"""The platform plan: every hardware-dependent choice of the engine, made once at start.
+
+Why one place: which dtype, which native kernel build, how linears are stored (oneDNN-packed,
+bf16 widened for prefill, int8) and how big a vision work item is all follow from the same few
+facts -- the device, whether the CPU has bf16 arithmetic, which instruction set the kernels are
+built for. Decided in separate functions, each probing the CPU again, they drifted apart (a
+kernel build on a CPU whose linears still took oneDNN's emulated bf16 path). Here they are
+resolved together into a frozen :class:`PlatformPlan`, logged as one line, and the model loader
+and the engine read it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.device import cpu_has_fast_bf16, resolve_device, resolve_dtype
+
+if TYPE_CHECKING:
+    from engine.config import EngineArgs
+
+log = logging.getLogger("engine")
+
+# vision work-item rows (engine.models.qwen2_vl VisionEncodeJob) by platform: with bf16
+# arithmetic 64-row items keep CPU steps short at little cost; in fp32, or where bf16 is
+# emulated (each item widens every weight it touches), small items cost a fifth of a frame's
+# encode, so 256 (2.04 -> 1.77 s emulated, 2.04 -> 1.58 s fp32 on a 2-core Ice Lake); on a
+# GPU a 64-row item is all launch overhead (0.25 s per frame in items, 0.01 s whole)
+ENCODER_ROWS_BF16_ARITHMETIC = 64
+ENCODER_ROWS_CPU_OTHER = 256
+
+
+@dataclass(frozen=True)
+class PlatformPlan:
+    """What this engine runs on and how; read-only after start."""
+
+    device: torch.device
+    dtype: torch.dtype
+    bf16_arithmetic: bool  # AVX512-BF16/AMX on a CPU, or a GPU
+    kernel_variant: str | None  # engine.kernels build this CPU runs (None: no build applies)
+    use_cpu_kernels: bool  # the fused decode step and native attention are wanted
+    quantization: str | None
+    # CPU linears replaced at load (oneDNN-packed, or bf16 widened for prefill): the decoder's
+    # unless quantized, and the vision tower's where the kernels or emulated bf16 need it
+    cpu_linears: bool
+    linear_kind: str  # the decoder's: "int8" | "bf16-upcast" | "onednn-packed" | "plain"
+    vision_dtype: torch.dtype
+    encoder_rows_per_item: int | None  # None: whole encoder stages per item
+
+    @property
+    def emulated_bf16(self) -> bool:
+        """bf16 weights on a CPU without bf16 arithmetic: products widen them to fp32."""
+        return (
+            self.device.type == "cpu"
+            and self.dtype == torch.bfloat16
+            and not (self.bf16_arithmetic)
+        )
+
+    def describe(self) -> str:
+        return (
+            f"platform_plan device={self.device} dtype={_name(self.dtype)} "
+            f"bf16_arithmetic={self.bf16_arithmetic} kernels={self.kernel_variant or 'none'}"
+            f"{'' if self.use_cpu_kernels else ' (off)'} linears={self.linear_kind} "
+            f"quantization={self.quantization or 'none'} vision_dtype={_name(self.vision_dtype)} "
+            f"encoder_rows_per_item={self.encoder_rows_per_item or 'whole'}"
+        )
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def vision_compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The vision tower's dtype: the model's, except bf16 on a CPU without bf16 arithmetic.
+
+    There every bf16 product is computed in fp32 anyway (widened weights, engine.kernels'
+    emulated attention), and a bf16 tower only adds conversions and rounding: per 256-row
+    item each linear widened its weight and converted its input and output, ~10 % of a
+    frame. The tower is ~2 % of a bench checkpoint's weights, so fp32 costs little memory;
+    its output is cast to the model's dtype where it enters the decoder.
+    """
+    if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_fast_bf16():
+        return torch.float32
+    return dtype
+
+
+def encoder_rows_per_item(
+    device: torch.device, dtype: torch.dtype, requested: int | None = None
+) -> int | None:
+    """Encoder work granularity (``--encoder-rows-per-item``; 0 or None on a GPU: whole)."""
+    rows = requested
+    if rows is None:
+        if device.type != "cpu":
+            rows = 0
+        elif dtype == torch.bfloat16 and cpu_has_fast_bf16():
+            rows = ENCODER_ROWS_BF16_ARITHMETIC
+        else:
+            rows = ENCODER_ROWS_CPU_OTHER
+    return rows or None
+
+
+def plan_platform(
+    device: torch.device,
+    dtype: torch.dtype,
+    cpu_kernels: bool = True,
+    quantization: str | None = None,
+    pack_cpu_weights: bool = True,
+    requested_encoder_rows: int | None = None,
+) -> PlatformPlan:
+    """The plan for an already chosen device and dtype (tests and benchmarks load models
+    this way; the engine goes through :func:`resolve_platform`)."""
+    from engine.kernels import cpu_variant
+    from engine.layers.linear import cpu_packing_available
+
+    on_cpu = device.type == "cpu"
+    bf16_arithmetic = device.type == "cuda" or (on_cpu and cpu_has_fast_bf16())
+    if quantization is not None and not on_cpu:
+        raise ValueError(f"--quantization {quantization} runs on CPU only for now")
+    variant = cpu_variant() if on_cpu else None
+    # the fused decode step reads 16-bit weights: int8 decodes eager (with its own GEMV)
+    use_kernels = (
+        on_cpu and dtype == torch.bfloat16 and cpu_kernels and quantization is None and variant
+    )
+    emulated = on_cpu and dtype == torch.bfloat16 and not bf16_arithmetic
+    # no oneDNN bf16 packing is needed where bf16 is emulated (AVX2 CPUs have none): the
+    # weights stay bf16 for the kernels and are widened for prefill-sized products
+    cpu_linears = on_cpu and pack_cpu_weights and (emulated or cpu_packing_available(dtype))
+    if quantization is not None:
+        linear_kind = quantization
+    elif not cpu_linears:
+        linear_kind = "plain"
+    else:
+        linear_kind = "bf16-upcast" if emulated else "onednn-packed"
+    return PlatformPlan(
+        device=device,
+        dtype=dtype,
+        bf16_arithmetic=bf16_arithmetic,
+        kernel_variant=variant,
+        use_cpu_kernels=bool(use_kernels),
+        quantization=quantization,
+        cpu_linears=cpu_linears,
+        linear_kind=linear_kind,
+        vision_dtype=vision_compute_dtype(dtype, device),
+        encoder_rows_per_item=encoder_rows_per_item(device, dtype, requested_encoder_rows),
+    )
+
+
+def resolve_platform(args: EngineArgs) -> PlatformPlan:
+    """The engine's plan from its arguments, logged once."""
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device, cpu_kernels=args.cpu_kernels)
+    plan = plan_platform(
+        device,
+        dtype,
+        cpu_kernels=args.cpu_kernels,
+        quantization=args.quantization,
+        requested_encoder_rows=args.encoder_rows_per_item,
+    )
+    log.info(plan.describe())
+    return plan
