@@ -18,6 +18,14 @@ default the benchmark injects one person box into frames that are not flat grey 
 hook the tests use, ``InjectedDetections``); the real model still runs on every frame.
 
     python benchmarks/pipeline.py --cameras 8 --fps 2 --duration 60 --imgsz 640
+
+``--gating-compare`` measures something else, offline (no Redis, no VLM, no real time): VLM
+requests per minute of camera time with per-frame gating against per-track gating, on a
+looped synthetic clip (people from the sample images walking across, then nobody, then one
+person standing for a minute). Boxes are the clip's own; ``--gating-weights`` runs a trained
+detector (``vision-serve make-detector``) on the frames instead.
+
+    python benchmarks/pipeline.py --gating-compare --gating-minutes 10
 """
 
 from __future__ import annotations
@@ -273,8 +281,81 @@ def snapshot(pipeline: CameraPipeline, client: redis.Redis, cfg: Any) -> dict[st
     }
 
 
+# --- per-frame against per-track gating ---------------------------------------------------
+GATINGS: dict[str, dict[str, Any]] = {
+    "frame (cooldown 10 s, on count change)": {"describe_on": ["frame"]},
+    "track_start": {"describe_on": ["track_start"]},
+    "track_start + track_end": {"describe_on": ["track_start", "track_end"]},
+    "track_start + interval 30 s": {"describe_on": ["track_start", "interval"], "interval_s": 30},
+}
+
+
+def gating_clip(fps: float) -> list[tuple[np.ndarray, list[tuple[float, ...]]]]:
+    """One loop of the scene: two people walking across (20 s), nobody (5 s), one person
+    standing still (60 s)."""
+    from pipelines import synthetic
+
+    rng = np.random.default_rng(7)
+    walk = synthetic.clip(rng, FRAME_SIZE, int(20 * fps), persons=2)
+    empty = [(synthetic.background(rng, FRAME_SIZE), [])] * int(5 * fps)
+    stand = synthetic.clip(rng, FRAME_SIZE, 1, persons=1) * int(60 * fps)
+    return walk + empty + stand
+
+
+def gating_compare(minutes: float, fps: float, weights: str | None) -> dict[str, Any]:
+    """Requests each gating would send for ``minutes`` of the looped clip at ``fps``."""
+    clip = gating_clip(fps)
+    frames = int(minutes * 60 * fps)
+    detector: Any = None
+    if weights:
+        detector = Detector(parse_config({"detector": {"weights": weights}}).detector)
+    # the detector's answers per clip frame, computed once (the loop repeats them)
+    boxes: list[list[Detection]] = []
+    for image, truth in clip:
+        if detector is not None:
+            frame = Frame("bench", 0, 0.0, image)
+            boxes.append(detector.detect([frame])[0])
+        else:
+            boxes.append([Detection(0, "person", 0.9, tuple(b)) for b in truth])
+    out: dict[str, Any] = {}
+    for name, gate in GATINGS.items():
+        camera = {"id": "bench", "url": "clip.mp4", "gate": gate}
+        config = parse_config({"redis_url": "redis://127.0.0.1:1/0", "cameras": [camera]})
+        pipeline = CameraPipeline(config, detector)  # process() is handed the boxes
+        sent: Counter[str] = Counter()
+        started = time.perf_counter()
+        for i in range(frames):
+            image, _ = clip[i % len(clip)]
+            frame = Frame("bench", i + 1, 1_000_000.0 + i / fps, image)
+            for item in pipeline.process(frame, boxes[i % len(clip)]):
+                sent[item.gate_reason] += 1
+        seconds = time.perf_counter() - started
+        total = sum(sent.values())
+        out[name] = {
+            "requests": total,
+            "requests_per_min": round(total / minutes, 2),
+            "by_reason": dict(sent),
+            "track_gate_ms_per_frame": round(seconds / frames * 1000, 3),
+        }
+        log(f"{name}: {total} requests ({total / minutes:.2f}/min) {dict(sent)}")
+    base = out[next(iter(GATINGS))]["requests"]
+    for name in GATINGS:
+        n = out[name]["requests"]
+        out[name]["reduction_vs_frame"] = round(1 - n / base, 3) if base else None
+    return {
+        "minutes": minutes,
+        "fps": fps,
+        "clip_seconds": len(clip) / fps,
+        "detector": weights or "clip boxes",
+        "gatings": out,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gating-compare", action="store_true", help="see the module doc")
+    parser.add_argument("--gating-minutes", type=float, default=10.0)
+    parser.add_argument("--gating-weights", default=None, help="trained detector weights")
     parser.add_argument("--cameras", type=int, default=8)
     parser.add_argument("--fps", type=float, default=2.0, help="sampling fps per camera")
     parser.add_argument("--source", choices=["file", "rtsp"], default="file")
@@ -296,6 +377,15 @@ def main() -> int:
     parser.add_argument("--out", default=str(REPO / "results"))
     args = parser.parse_args()
     setup_logging("WARNING")
+    if args.gating_compare:
+        result = gating_compare(args.gating_minutes, args.fps, args.gating_weights)
+        result["machine"] = platform.platform()
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"pipeline_gating_{time.strftime('%Y%m%d_%H%M%S')}.json"
+        path.write_text(json.dumps(result, indent=2))
+        log(f"saved {path}")
+        return 0
 
     workdir = Path(tempfile.mkdtemp(prefix="vs-bench-"))
     services = Services(workdir)

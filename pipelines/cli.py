@@ -124,3 +124,88 @@ def run_describe(args: argparse.Namespace) -> int:
 
     _serve_metrics(args, config, config.metrics.describe_port)
     return _run_worker(lambda: Describer(config, consumer=args.consumer))
+
+
+def add_make_detector_cli(subparsers: Any) -> None:
+    """Register ``make-detector``: train a YOLO26n person detector offline on synthetic frames."""
+    parser = subparsers.add_parser(
+        "make-detector",
+        help="train (once, cached) a YOLO26n person detector offline on synthetic frames",
+        description=add_make_detector_cli.__doc__,
+    )
+    parser.add_argument("--seed", type=int, default=0, help="dataset and training seed")
+    parser.add_argument("--out", default=None, help="output directory (default: the cache)")
+    parser.add_argument("--epochs", type=int, default=None, help="override the recipe's epochs")
+    parser.add_argument("--force", action="store_true", help="train again even if cached")
+    parser.set_defaults(func=run_make_detector)
+
+
+def run_make_detector(args: argparse.Namespace) -> int:
+    """Print the summary on stderr and the weights path as stdout's last line; exit 1 when
+    training fails."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from pipelines.detector_training import Recipe, make_detector
+
+    recipe = Recipe() if args.epochs is None else replace(Recipe(), epochs=max(1, args.epochs))
+    out = None if args.out is None else Path(args.out)
+
+    def say(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    try:
+        build = make_detector(args.seed, out, recipe, force=args.force, log=say)
+    except Exception as exc:  # a failed build leaves no cache entry behind
+        say(f"error: make-detector failed: {exc}")
+        return 1
+    say(build.summary())
+    print(build.weights, flush=True)
+    return 0
+
+
+def add_export_detector_cli(subparsers: Any) -> None:
+    """Register ``export-detector``: a ``.pt`` detector as ONNX or OpenVINO."""
+    parser = subparsers.add_parser(
+        "export-detector",
+        help="export a YOLO .pt detector to ONNX or OpenVINO (fixed input size)",
+        description=add_export_detector_cli.__doc__,
+    )
+    parser.add_argument(
+        "--weights", default=None, help="a .pt file (default: make-detector's cached build)"
+    )
+    parser.add_argument("--format", required=True, choices=["onnx", "openvino"])
+    parser.add_argument(
+        "--imgsz", type=int, default=None, help="input size (default: the build's, else 640)"
+    )
+    parser.add_argument("--out", default=None, help="where to put the export (default: beside)")
+    parser.set_defaults(func=run_export_detector)
+
+
+def run_export_detector(args: argparse.Namespace) -> int:
+    """Print the export's path; exit 2 naming the flag when the input is wrong."""
+    from pathlib import Path
+
+    from pipelines.detector_export import ExportError, export_detector
+    from pipelines.detector_training import detector_dir, load_build
+
+    weights, imgsz = args.weights, args.imgsz
+    if weights is None:
+        build = load_build(detector_dir())
+        if build is None:
+            print(
+                "error: --weights: none given and no cached build; run "
+                "`vision-serve make-detector` first",
+                file=sys.stderr,
+            )
+            return 2
+        weights, imgsz = build.weights, imgsz or build.imgsz
+    try:
+        path = export_detector(
+            weights, args.format, imgsz or 640, None if args.out is None else Path(args.out)
+        )
+    except ExportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(path, flush=True)
+    return 0

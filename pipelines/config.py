@@ -45,6 +45,130 @@ class DetectorOverrides(Section):
     classes: list[int] | None = None
 
 
+Point = tuple[float, float]
+
+
+def parse_polygon(value: Any) -> list[Point]:
+    """A polygon as Frigate writes it -- ``"x1,y1,x2,y2,..."``, ``["x1,y1", "x2,y2", ...]`` --
+    or as ``[[x1, y1], [x2, y2], ...]``. Coordinates are relative (0-1) when none is above 1,
+    else pixels of the frame as decoded (Frigate's rule)."""
+    if isinstance(value, str):
+        numbers = value.replace(" ", "").split(",")
+    elif isinstance(value, list | tuple):
+        numbers = []
+        for point in value:
+            pair = point.replace(" ", "").split(",") if isinstance(point, str) else point
+            if not isinstance(pair, list | tuple) or len(pair) != 2:
+                raise ValueError(f"a point is 'x,y' or [x, y], got {point!r}")
+            numbers += list(pair)
+    else:
+        raise ValueError("a polygon is 'x1,y1,x2,y2,...' or a list of [x, y] points")
+    try:
+        values = [float(v) for v in numbers]
+    except (TypeError, ValueError):
+        raise ValueError(f"polygon coordinates must be numbers, got {value!r}") from None
+    if len(values) % 2 or len(values) < 6:
+        raise ValueError("a polygon needs at least 3 points, given as x,y pairs")
+    if any(v < 0 for v in values):
+        raise ValueError("polygon coordinates must be >= 0")
+    return [(values[i], values[i + 1]) for i in range(0, len(values), 2)]
+
+
+def parse_polygons(value: Any) -> list[list[Point]]:
+    """One polygon (a string) or a list of polygons (each a string or a list of points)."""
+    if value is None or value == "":
+        return []
+    if isinstance(value, str):
+        return [parse_polygon(value)]
+    if isinstance(value, list | tuple):
+        return [parse_polygon(v) for v in value]
+    raise ValueError("masks are a polygon string or a list of polygons")
+
+
+class ZoneConfig(Section):
+    """A named polygon of one camera (Frigate's ``zones``). A detection is in the zone when
+    the bottom centre of its box (where a person stands) is inside the polygon."""
+
+    coordinates: list[Point] = Field(
+        description="'x1,y1,x2,y2,...' or [[x, y], ...]: relative 0-1, or pixels"
+    )
+    objects: list[str] = Field(
+        default_factory=list, description="labels that count in this zone; empty: all"
+    )
+
+    @field_validator("coordinates", mode="before")
+    @classmethod
+    def _polygon(cls, value: Any) -> list[Point]:
+        return parse_polygon(value)
+
+    @field_validator("objects", mode="before")
+    @classmethod
+    def _labels(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+
+class FilterConfig(Section):
+    """Per-class detection filters (Frigate's ``objects.filters.<label>``). Areas are pixels
+    when >= 1, else a fraction of the frame; ratios are box width / height."""
+
+    min_area: float = Field(0, ge=0)
+    max_area: float = Field(24_000_000, gt=0)
+    min_ratio: float = Field(0, ge=0)
+    max_ratio: float = Field(24_000_000, gt=0)
+    min_score: float = Field(0.0, ge=0.0, le=1.0)
+    mask: list[list[Point]] = Field(
+        default_factory=list, description="polygons where this class is ignored"
+    )
+
+    @field_validator("mask", mode="before")
+    @classmethod
+    def _masks(cls, value: Any) -> list[list[Point]]:
+        return parse_polygons(value)
+
+
+class ObjectsConfig(Section):
+    """Which detections count at all: ``mask`` polygons (any class whose box's bottom centre
+    is inside is ignored) and ``filters`` per label."""
+
+    mask: list[list[Point]] = Field(default_factory=list)
+    filters: dict[str, FilterConfig] = Field(default_factory=dict)
+
+    @field_validator("mask", mode="before")
+    @classmethod
+    def _masks(cls, value: Any) -> list[list[Point]]:
+        return parse_polygons(value)
+
+
+GateEvent = Literal["frame", "track_start", "track_end", "interval"]
+
+
+class GateOverrides(Section):
+    """Per-camera changes to ``gate`` (unset fields keep the global value)."""
+
+    min_persons: int | None = Field(None, ge=0)
+    cooldown_s: float | None = Field(None, ge=0)
+    send_on_change: bool | None = None
+    min_interval_s: float | None = Field(None, ge=0)
+    describe_on: list[GateEvent] | None = None
+    min_frames: int | None = Field(None, ge=1)
+    max_descriptions: int | None = Field(None, ge=1)
+    lost_frames: int | None = Field(None, ge=1)
+    interval_s: float | None = Field(None, gt=0)
+
+
+class CameraDescriberConfig(Section):
+    """What the VLM sees of this camera's frames: the whole ``frame``, a padded ``crop``
+    around the boxes that triggered the description (the union of the triggering tracks),
+    or the bounding rectangle of the zones (the required ones, else all: ``zone``). A smaller
+    image is fewer image tokens."""
+
+    view: Literal["frame", "crop", "zone"] = "frame"
+    crop_padding: float = Field(
+        0.25, ge=0, le=4, description="crop: margin added on each side, as a share of the box"
+    )
+    min_crop: int = Field(96, ge=16, description="crop: smallest side in pixels")
+
+
 class CameraConfig(Section):
     """One camera. ``url``: rtsp://..., a video file path, or a device index (int)."""
 
@@ -57,6 +181,24 @@ class CameraConfig(Section):
         True, description="files: play at their own frame rate, like a live camera"
     )
     loop: bool = Field(True, description="files: start again at the end")
+    gate: GateOverrides = Field(default_factory=GateOverrides)
+    zones: dict[str, ZoneConfig] = Field(default_factory=dict)
+    required_zones: list[str] = Field(
+        default_factory=list,
+        description="only detections in one of these zones are described (none: anywhere)",
+    )
+    objects: ObjectsConfig = Field(default_factory=ObjectsConfig)
+    describer: CameraDescriberConfig = Field(default_factory=CameraDescriberConfig)
+
+    @model_validator(mode="after")
+    def _zones_exist(self) -> CameraConfig:
+        for name in self.required_zones:
+            if name not in self.zones:
+                known = ", ".join(sorted(self.zones)) or "none configured"
+                raise ValueError(f"required_zones: no zone named {name!r} (zones: {known})")
+        if self.describer.view == "zone" and not self.zones:
+            raise ValueError("describer.view: 'zone' needs at least one entry in zones")
+        return self
 
     @field_validator("id")
     @classmethod
@@ -112,6 +254,9 @@ class DetectorConfig(Section):
     classes: list[int] = Field(default_factory=lambda: [0], description="COCO 0 = person")
     device: str = "cpu"
     max_batch: int = Field(16, ge=1, le=256)
+    download: bool = Field(
+        False, description="let Ultralytics fetch a missing asset such as yolo26n.pt (online)"
+    )
 
 
 class GateConfig(Section):
@@ -121,6 +266,47 @@ class GateConfig(Section):
     cooldown_s: float = Field(10.0, ge=0, description="at most one frame per camera per cooldown")
     send_on_change: bool = Field(True, description="a change of person count skips the cooldown")
     min_interval_s: float = Field(1.0, ge=0, description="floor between two frames of a camera")
+    describe_on: list[GateEvent] = Field(
+        default_factory=lambda: ["frame"],
+        description="frame: the per-frame gate above; or per tracked object, any of "
+        "track_start (once significant), track_end (lost for lost_frames), interval "
+        "(again every interval_s while it stays)",
+    )
+    min_frames: int = Field(
+        3, ge=1, description="frames a track is seen (in a required zone) to be significant"
+    )
+    max_descriptions: int = Field(3, ge=1, description="descriptions per track at most")
+    lost_frames: int = Field(10, ge=1, description="frames unseen before a track has ended")
+    interval_s: float = Field(60.0, gt=0, description="interval: seconds between descriptions")
+
+    @field_validator("describe_on")
+    @classmethod
+    def _events(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError("name at least one of frame, track_start, track_end, interval")
+        if "frame" in value and len(set(value)) > 1:
+            raise ValueError("'frame' is the per-frame gate: it cannot be mixed with track events")
+        return list(dict.fromkeys(value))
+
+    @property
+    def tracks(self) -> bool:
+        """Per-track gating (the camera runs a tracker) rather than per-frame."""
+        return "frame" not in self.describe_on
+
+
+class TrackerConfig(Section):
+    """The per-camera multi-object tracker: Ultralytics' ByteTrack or BoT-SORT, configured
+    from its ``cfg/trackers/<type>.yaml``; a field set here replaces that file's value."""
+
+    type: Literal["bytetrack", "botsort"] = "bytetrack"
+    track_high_thresh: float | None = Field(None, ge=0, le=1)
+    track_low_thresh: float | None = Field(None, ge=0, le=1)
+    new_track_thresh: float | None = Field(None, ge=0, le=1)
+    track_buffer: int | None = Field(None, ge=1, description="frames a lost track is kept")
+    match_thresh: float | None = Field(None, ge=0, le=1)
+    gmc_method: str | None = Field(
+        "none", description="botsort: camera-motion compensation; fixed cameras need none"
+    )
 
 
 class QueueConfig(Section):
@@ -167,10 +353,70 @@ class QueueConfig(Section):
     )
 
 
+class EndpointConfig(Section):
+    """One OpenAI-compatible server (ours, vLLM, llama.cpp's ``llama-server``, a hosted API).
+
+    ``api_key`` / ``model`` left unset take the describer's. ``health_url`` / ``metrics_url``
+    default to ``/health`` and ``/metrics`` at the server's root (``base_url`` without its
+    ``/v1``); ``""`` turns one off (a hosted API has neither: the endpoint is then judged by
+    its answers alone).
+    """
+
+    base_url: str
+    api_key: str | None = None
+    model: str | None = None
+    name: str | None = Field(
+        None, description="label in metrics and logs (default: host:port of base_url)"
+    )
+    health_url: str | None = None
+    metrics_url: str | None = None
+
+    @field_validator("base_url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        from urllib.parse import urlsplit
+
+        value = value.strip().rstrip("/")
+        if not value.startswith(("http://", "https://")) or not urlsplit(value).hostname:
+            raise ValueError(
+                "must be an http:// or https:// URL with a host, e.g. http://vlm:8000/v1"
+            )
+        return value
+
+    @property
+    def root(self) -> str:
+        """The server's root: ``base_url`` without a trailing ``/v1``."""
+        return self.base_url.removesuffix("/v1")
+
+    @property
+    def label(self) -> str:
+        from urllib.parse import urlsplit
+
+        if self.name:
+            return self.name
+        parts = urlsplit(self.base_url)
+        return parts.netloc.rpartition("@")[2] or self.base_url
+
+    @property
+    def health(self) -> str:
+        return self.root + "/health" if self.health_url is None else self.health_url
+
+    @property
+    def metrics(self) -> str:
+        return self.root + "/metrics" if self.metrics_url is None else self.metrics_url
+
+
 class DescriberConfig(Section):
-    """The OpenAI-compatible endpoint and how workers use it."""
+    """The OpenAI-compatible endpoints and how workers use them.
+
+    ``endpoints``: several servers, balanced by their queue depth (scraped from ``/metrics``,
+    else this worker's requests in flight to each), taken out of rotation while they fail
+    and put back when they recover (``pipelines.endpoints``). ``base_url`` alone is the
+    one-endpoint form; giving both is an error.
+    """
 
     base_url: str = "http://127.0.0.1:8000/v1"
+    endpoints: list[EndpointConfig] = Field(default_factory=list)
     api_key: str = "EMPTY"
     model: str | None = None
     prompt: str = "Describe the people in this camera frame and what they are doing, briefly."
@@ -202,6 +448,28 @@ class DescriberConfig(Section):
     backoff_max_s: float = Field(10.0, gt=0)
     shutdown_grace_s: float = Field(10.0, ge=0)
     consumer_gc_s: float = Field(3600.0, gt=0, description="forget idle consumers with nothing")
+    probe_interval_s: float = Field(
+        2.0, gt=0, description="how often each endpoint's /health and /metrics are read"
+    )
+    down_after_errors: int = Field(
+        3, ge=1, description="consecutive server errors (HTTP 5xx) that take an endpoint out"
+    )
+
+    @model_validator(mode="after")
+    def _one_way_to_name_endpoints(self) -> DescriberConfig:
+        if self.endpoints and "base_url" in self.model_fields_set:
+            raise ValueError(
+                "give either describer.base_url (env VS_DESCRIBER__BASE_URL) or "
+                "describer.endpoints (env VS_DESCRIBER__ENDPOINTS, as JSON), not both"
+            )
+        labels = [e.label for e in self.endpoints]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"describer.endpoints: duplicate endpoint names {labels}; set name")
+        return self
+
+    def endpoint_list(self) -> list[EndpointConfig]:
+        """The endpoints to use: ``endpoints``, else ``base_url`` as the only one."""
+        return list(self.endpoints) or [EndpointConfig(base_url=self.base_url)]
 
 
 class MetricsConfig(Section):
@@ -254,6 +522,7 @@ class PipelineConfig(BaseSettings):
     ingest: IngestConfig = Field(default_factory=IngestConfig)
     detector: DetectorConfig = Field(default_factory=DetectorConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
+    tracker: TrackerConfig = Field(default_factory=TrackerConfig)
     queue: QueueConfig = Field(default_factory=QueueConfig)
     describer: DescriberConfig = Field(default_factory=DescriberConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
@@ -280,9 +549,19 @@ class PipelineConfig(BaseSettings):
         # the messages never repeat the URL: it may carry a password
         from urllib.parse import urlsplit
 
-        if not value.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must start with redis://, rediss:// or unix://")
+        from pipelines import redis_urls
+
+        schemes = (
+            *redis_urls.PLAIN_SCHEMES,
+            *redis_urls.SENTINEL_SCHEMES,
+            *redis_urls.CLUSTER_SCHEMES,
+        )
+        if redis_urls.scheme_of(value) not in schemes:
+            raise ValueError(f"must start with one of {', '.join(s + '://' for s in schemes)}")
         if value.startswith("unix://"):
+            return value
+        if redis_urls.is_sentinel(value):
+            redis_urls.parse_sentinel_url(value)  # its errors never repeat the URL
             return value
         try:
             parts = urlsplit(value)
@@ -297,17 +576,44 @@ class PipelineConfig(BaseSettings):
         return value
 
     @model_validator(mode="after")
+    def _cluster_keys_share_a_slot(self) -> PipelineConfig:
+        from pipelines import redis_urls
+
+        if redis_urls.is_cluster(self.redis_url):
+            q = self.queue
+            names = ("frames_stream", "descriptions_stream", "dead_letter_stream", "stats_key")
+            names += ("latest_prefix", "image_prefix", "dedupe_prefix", "producer_prefix")
+            names += ("camera_prefix",)
+            problem = redis_urls.cluster_key_problem({n: getattr(q, n) for n in names})
+            if problem:
+                raise ValueError(f"redis_url is a cluster: {problem}")
+        return self
+
+    @model_validator(mode="after")
     def _unique_camera_ids(self) -> PipelineConfig:
         seen: set[str] = set()
         for camera in self.cameras:
             if camera.id in seen:
                 raise ValueError(f"cameras: duplicate camera id {camera.id!r}")
             seen.add(camera.id)
+            try:
+                self.gate_for(camera.id)
+            except ValidationError as exc:
+                why = "; ".join(e["msg"] for e in exc.errors())
+                raise ValueError(f"cameras: {camera.id!r}: gate: {why}") from None
         return self
 
     def camera(self, camera_id: str) -> CameraConfig | None:
         """The camera with this id, if configured (describers use it for the prompt)."""
         return next((c for c in self.cameras if c.id == camera_id), None)
+
+    def gate_for(self, camera_id: str) -> GateConfig:
+        """The global ``gate`` with the camera's ``gate`` overrides applied."""
+        camera = self.camera(camera_id)
+        if camera is None:
+            return self.gate
+        changes = camera.gate.model_dump(exclude_none=True)
+        return GateConfig(**{**self.gate.model_dump(), **changes}) if changes else self.gate
 
     def prompt_for(self, camera_id: str) -> str:
         """Per-camera prompt if set, else the describer's."""

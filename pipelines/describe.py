@@ -12,10 +12,14 @@ Delivery contract (why each piece exists):
 - Each reclaim counts a delivery; past ``max_deliveries`` (a frame that keeps killing its
   workers) it goes to the dead-letter stream instead.
 - Frames older than ``max_frame_age_s`` are acknowledged as expired, never sent.
-- Endpoint down (refused, timeout, 429, 503...): the frame being described is retried with
-  backoff and the worker takes at most one frame at a time until the endpoint answers
-  again; the rest wait in the stream and expire by age when they are finally read. Counted,
-  no crash.
+- Several endpoints (``describer.endpoints``, ``pipelines.endpoints``): each request goes to
+  the least loaded endpoint in rotation. One that is down (refused, timeout, 429, 503...) is
+  taken out of rotation and the frame is sent to another at once -- the endpoint's failure,
+  not the frame's: nothing is counted against the frame, and it stays pending under this
+  worker until one result is committed, so the exactly-once accounting is untouched.
+- Every endpoint down: the frame waits (retried when one comes back) and the worker takes at
+  most one frame at a time until one answers again; the rest wait in the stream and expire
+  by age when they are finally read. Counted, no crash.
 - Endpoint up but failing on a frame (HTTP 500...): retried with backoff, and after
   ``max_failures`` such answers the frame is dead-lettered (``dead:server_error``) rather
   than retried as an outage until it expires.
@@ -38,9 +42,10 @@ import redis
 from pipelines import metrics
 from pipelines.backoff import Backoff
 from pipelines.config import PipelineConfig
+from pipelines.endpoints import EndpointPool
 from pipelines.logs import kv
 from pipelines.queue import COMMIT_LUA
-from pipelines.vlm import EndpointUnavailable, FrameRejected, ServerError, VLMClient, frame_request
+from pipelines.vlm import EndpointUnavailable, FrameRejected, ServerError, frame_request
 from pipelines.worker import REDIS_DOWN, RedisWorker, Stopping, connect_async, renew_claims
 
 log = logging.getLogger(__name__)
@@ -62,7 +67,7 @@ class Describer(RedisWorker):
         self,
         config: PipelineConfig,
         consumer: str | None = None,
-        vlm: VLMClient | None = None,
+        pool: EndpointPool | None = None,
     ) -> None:
         self.config = config
         self.q = config.queue
@@ -76,10 +81,9 @@ class Describer(RedisWorker):
         self.consumer = consumer or default_consumer_name()
         self.redis = connect_async(config.redis_url, self.d.block_ms)
         self._commit_script = self.redis.register_script(COMMIT_LUA)
-        self.vlm = vlm or VLMClient(self.d)
+        self.pool = pool or EndpointPool(self.d)
         self.inflight: dict[str, asyncio.Task[None]] = {}
         self.counts: Counter[str] = Counter()
-        self.endpoint_ok = True
         self._claim_cursor = "0-0"
         self._last_gc = 0.0
 
@@ -87,9 +91,12 @@ class Describer(RedisWorker):
     async def run(self) -> None:
         """Work until ``request_stop()``; then finish in-flight frames within the grace."""
         self._started()
-        log.info(kv("describer_started", consumer=self.consumer, model=self.d.model))
-        metrics.VLM_UP.set(1)
+        names = ",".join(ep.name for ep in self.pool.endpoints)
+        log.info(
+            kv("describer_started", consumer=self.consumer, model=self.d.model, endpoints=names)
+        )
         heartbeat = asyncio.create_task(self._heartbeat())
+        probes = asyncio.create_task(self.pool.run())
         try:
             await self.with_redis(self._ensure_group)
             await self._loop_frames()
@@ -98,8 +105,9 @@ class Describer(RedisWorker):
         finally:
             await self._drain()
             heartbeat.cancel()
-            await asyncio.gather(heartbeat, return_exceptions=True)
-            await self.vlm.close()
+            probes.cancel()
+            await asyncio.gather(heartbeat, probes, return_exceptions=True)
+            await self.pool.close()
             await self.redis.aclose()
             log.info(kv("describer_stopped", consumer=self.consumer, **self.counts))
 
@@ -143,9 +151,14 @@ class Describer(RedisWorker):
                 metrics.REDIS_ERRORS.labels("describer").inc()
                 await self.sleep(backoff.next_delay())
 
+    @property
+    def endpoint_ok(self) -> bool:
+        """Some endpoint is in rotation."""
+        return self.pool.any_up
+
     def _capacity(self) -> int:
-        # while the endpoint fails, one frame at a time probes it; the rest wait in Redis
-        return self.d.concurrency if self.endpoint_ok else 1
+        # while every endpoint fails, one frame at a time waits for one; the rest wait in Redis
+        return self.d.concurrency if self.pool.any_up else 1
 
     async def _wait_for_slot(self) -> None:
         waiters = [*self.inflight.values(), asyncio.ensure_future(self.wait_for_stop())]
@@ -308,32 +321,34 @@ class Describer(RedisWorker):
         jpeg, prompt = await frame_request(self.config, jpeg, fields)
         backoff = Backoff(self.d.backoff_initial_s, self.d.backoff_max_s)
         failures = 0
+        avoid: frozenset[str] = frozenset()
+        error: BaseException | str = "no endpoint in rotation"
         while True:
+            left = ts + self.q.max_frame_age_s - time.time()
+            if left <= 0:
+                await self._finish(entry_id, fields, "expired", "max_age", str(error))
+                return
+            endpoint = self.pool.pick(avoid)
+            if endpoint is None:  # every endpoint out of rotation: wait for one to return
+                await self._wait_for_endpoint(min(backoff.next_delay(), left + 0.01))
+                continue
             try:
-                deadline = ts + self.q.max_frame_age_s - time.time()
-                text, info = await self.vlm.describe(jpeg, prompt, deadline)
+                text, info = await self.pool.describe(endpoint, jpeg, prompt, left)
                 break
-            except EndpointUnavailable as exc:
-                self._endpoint_failed(exc)
+            except EndpointUnavailable as exc:  # the endpoint's failure: try another at once
                 error = exc
             except ServerError as exc:  # the endpoint answered: this frame may be the cause
-                self._endpoint_answered()
                 failures += 1
                 if failures >= self.d.max_failures:
                     detail = f"{failures} server errors, last: {exc}"
                     await self._finish(entry_id, fields, "dead", "server_error", detail)
                     return
-                error = exc
+                error, avoid = exc, frozenset({endpoint.name})
+                left = ts + self.q.max_frame_age_s - time.time()
+                await self.sleep(min(backoff.next_delay(), max(left, 0.0) + 0.01))
             except FrameRejected as exc:
-                self._endpoint_answered()
                 await self._finish(entry_id, fields, "dead", "rejected", str(exc))
                 return
-            left = ts + self.q.max_frame_age_s - time.time()
-            if left <= 0:
-                await self._finish(entry_id, fields, "expired", "max_age", str(error))
-                return
-            await self.sleep(min(backoff.next_delay(), left + 0.01))
-        self._endpoint_answered()
         now = time.time()
         result = {
             "frame_id": entry_id,
@@ -350,21 +365,23 @@ class Describer(RedisWorker):
             "boxes": fields.get("boxes", "[]"),
             "image": image_key,
             "worker": self.consumer,
+            "endpoint": str(info.get("endpoint", "")),
         }
         if await self._finish(entry_id, result, "described", "ok"):
             metrics.DESCRIBE_LATENCY.observe(now - ts)
 
-    def _endpoint_failed(self, exc: BaseException) -> None:
-        if self.endpoint_ok:
-            log.warning(kv("vlm_unavailable", base_url=self.d.base_url, error=exc))
-        self.endpoint_ok = False
-        metrics.VLM_UP.set(0)
-
-    def _endpoint_answered(self) -> None:
-        if not self.endpoint_ok:
-            log.info(kv("vlm_available", base_url=self.d.base_url))
-        self.endpoint_ok = True
-        metrics.VLM_UP.set(1)
+    async def _wait_for_endpoint(self, timeout: float) -> None:
+        """Until an endpoint returns to rotation (or a trial falls due), ``timeout`` seconds,
+        or a stop request (raises ``Stopping``)."""
+        stop = asyncio.ensure_future(self.wait_for_stop())
+        change = asyncio.ensure_future(self.pool.wait_for_change(timeout))
+        try:
+            await asyncio.wait([stop, change], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            change.cancel()
+        if self.stopping:
+            raise Stopping
 
     async def _finish(
         self, entry_id: str, fields: dict[str, str], outcome: str, reason: str, detail: str = ""

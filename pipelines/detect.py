@@ -7,7 +7,12 @@ Cameras share the model; their overrides (``conf``, ``classes``) are applied to 
 and cameras with a different ``imgsz`` run as their own sub-batch.
 
 Offline by design: ``YOLO_OFFLINE`` / ``YOLO_AUTOINSTALL`` are set before ultralytics is
-imported, and missing ``.pt`` weights are an error, never a download.
+imported, and missing ``.pt`` weights are an error naming the file and where to put it. A
+download happens only when asked for (``detector.download: true``, or ``YOLO_OFFLINE=0`` set
+by the operator), and only for a bare Ultralytics asset name such as ``yolo26n.pt``.
+
+Besides ``.pt`` weights and model ``.yaml`` files, exported models load too (``vision-serve
+export-detector``): an ``.onnx`` file or an ``*_openvino_model/`` directory.
 """
 
 from __future__ import annotations
@@ -45,36 +50,98 @@ class Detection:
     label: str
     conf: float
     box: tuple[float, float, float, float]  # x1, y1, x2, y2
+    track_id: int | None = None  # set by the camera's tracker (pipelines.tracking), if any
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "cls": self.cls,
             "label": self.label,
             "conf": round(self.conf, 3),
             "box": [round(v, 1) for v in self.box],
         }
+        if self.track_id is not None:  # untracked entries keep their old shape
+            out["track_id"] = self.track_id
+        return out
 
 
-def resolve_weights(weights: str) -> str:
-    """A model ``.yaml`` (built untrained) or an existing weights file; never a download."""
+EXPORTED_SUFFIXES = (".onnx", ".torchscript", ".engine", ".tflite")
+
+
+def download_allowed(config_download: bool) -> bool:
+    """Fetching weights is an explicit opt-in: the config's ``download`` or the operator's
+    own ``YOLO_OFFLINE=0`` (this module sets ``1`` only as a default)."""
+    return config_download or os.environ.get("YOLO_OFFLINE", "1").lower() in ("0", "false")
+
+
+def resolve_weights(weights: str, download: bool = False) -> str:
+    """A model ``.yaml`` (built untrained), an existing weights file or exported model
+    (``.onnx`` file, ``*_openvino_model/`` directory), or -- with ``download`` -- a bare
+    Ultralytics asset name fetched into ultralytics' weights folder."""
     if weights.endswith((".yaml", ".yml")):
         return weights
     path = Path(weights).expanduser()
     if path.is_file():
         return str(path)
-    try:  # ultralytics' own weights folder, where `yolo` puts files it fetched earlier
+    if path.is_dir():
+        if not any(path.glob("*.xml")):
+            raise DetectorError(
+                f"detector.weights: {weights!r} is a directory without an OpenVINO model "
+                "(*.xml); pass a .pt/.onnx file or an *_openvino_model/ directory"
+            )
+        return str(path)
+    weights_dir = _weights_dir()
+    if weights_dir is not None and (weights_dir / path.name).is_file():
+        return str(weights_dir / path.name)  # where `yolo` put files it fetched earlier
+    if download and path.name == weights and path.suffix == ".pt":
+        return _download(weights)
+    where = f"{path.resolve()}" + (f" or {weights_dir / path.name}" if weights_dir else "")
+    fetch = (
+        "or set detector.download: true (or YOLO_OFFLINE=0) on a machine with internet access "
+        "to let Ultralytics fetch it, "
+        if path.name == weights and path.suffix == ".pt"
+        else ""
+    )
+    raise DetectorError(
+        f"detector.weights: {weights!r} not found, and downloads are off. Put the file at "
+        f"{where} (e.g. yolo26n.pt from https://github.com/ultralytics/assets/releases), "
+        f"{fetch}or use `vision-serve make-detector` (a person detector trained offline), "
+        "or a model .yaml such as 'yolo26n.yaml' for an untrained model."
+    )
+
+
+def _weights_dir() -> Path | None:
+    try:
         from ultralytics.utils import SETTINGS
 
-        candidate = Path(SETTINGS.get("weights_dir", "")) / path.name
-        if candidate.is_file():
-            return str(candidate)
-    except Exception:  # settings unreadable: just report the file as missing
-        pass
-    raise DetectorError(
-        f"detector.weights: {weights!r} not found, and this pipeline never downloads weights. "
-        "Put the weights file at that path (e.g. yolo26n.pt from Ultralytics), or pass a "
-        "model .yaml such as 'yolo26n.yaml' to build an untrained model."
-    )
+        return Path(SETTINGS["weights_dir"])
+    except Exception:  # settings unreadable: no second place to look
+        return None
+
+
+def _download(name: str) -> str:
+    """Fetch an Ultralytics asset (``yolo26n.pt``); a failure is a ``DetectorError``."""
+    from ultralytics.utils.downloads import attempt_download_asset
+
+    previous = os.environ.get("YOLO_OFFLINE")
+    os.environ["YOLO_OFFLINE"] = "0"  # the operator opted in: let ultralytics go online
+    try:
+        log.info(kv("detector_downloading", weights=name))
+        path = Path(attempt_download_asset(name))
+    except Exception as exc:
+        raise DetectorError(f"detector.weights: downloading {name!r} failed: {exc}") from exc
+    finally:
+        if previous is None:
+            os.environ.pop("YOLO_OFFLINE", None)
+        else:
+            os.environ["YOLO_OFFLINE"] = previous
+    if not path.is_file():
+        raise DetectorError(f"detector.weights: downloading {name!r} produced no file")
+    return str(path)
+
+
+def is_exported(weights: str) -> bool:
+    """An exported model (not ``.pt``/``.yaml``): fixed input size, task given at load."""
+    return weights.endswith(EXPORTED_SUFFIXES) or Path(weights).is_dir()
 
 
 def coco_names_if_untrained(names: dict[int, str]) -> dict[int, str]:
@@ -95,15 +162,20 @@ class Detector:
 
     def __init__(self, config: DetectorConfig) -> None:
         self.config = config
-        weights = resolve_weights(config.weights)
+        weights = resolve_weights(config.weights, download_allowed(config.download))
         started = time.monotonic()
         log.info(kv("detector_loading", weights=weights, device=config.device))
         try:
             from ultralytics import YOLO
 
-            self.model = YOLO(weights)
+            if is_exported(weights):
+                self.model = YOLO(weights, task="detect")
+            else:
+                self.model = YOLO(weights)
         except Exception as exc:
             raise DetectorError(f"detector.weights: cannot load {weights!r}: {exc}") from exc
+        if is_exported(weights):
+            _check_export_imgsz(weights, config.imgsz)
         self.names: dict[int, str] = coco_names_if_untrained(dict(self.model.names))
         self.calls = 0  # real model invocations (tests assert the model ran)
         self._predict([np.zeros((64, 64, 3), np.uint8)], config.imgsz, config.conf, None)
@@ -176,6 +248,33 @@ class Detector:
             Detection(c, self.names.get(c, str(c)), float(p), tuple(float(v) for v in b))
             for b, p, c in zip(xyxy, confs, classes, strict=True)
         ]
+
+
+def _check_export_imgsz(weights: str, imgsz: int) -> None:
+    """An export has a fixed input size; a different ``detector.imgsz`` would fail per frame."""
+    import yaml
+
+    path = Path(weights)
+    meta = (path if path.is_dir() else path.parent) / "metadata.yaml"
+    exported = None
+    if meta.is_file():
+        exported = (yaml.safe_load(meta.read_text()) or {}).get("imgsz")
+    elif path.suffix == ".onnx":
+        try:
+            import onnx
+
+            props = {
+                p.key: p.value
+                for p in onnx.load(str(path), load_external_data=False).metadata_props
+            }
+            exported = yaml.safe_load(props.get("imgsz", "null"))
+        except Exception:  # no onnx package or no metadata: ultralytics will say at predict
+            exported = None
+    if exported and max(exported) != imgsz:
+        raise DetectorError(
+            f"detector.imgsz: {imgsz}, but {weights!r} was exported for {max(exported)}; set "
+            f"detector.imgsz: {max(exported)} or export again with --imgsz {imgsz}"
+        )
 
 
 InjectFn = Callable[[Frame, list[Detection]], list[Detection]]

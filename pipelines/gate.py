@@ -6,6 +6,13 @@ least ``min_persons`` people and either the cooldown since the last sent frame h
 or the number of people changed (someone arrived or left) -- the change is news, so it
 skips the cooldown, but never faster than ``min_interval_s``. Every verdict has a reason
 and is counted, so "why was nothing described?" has an answer.
+
+With ``describe_on`` naming track events, a camera is gated per tracked object instead
+(``TrackGate``): someone standing in view for an hour is one description (``track_start``,
+once the track is significant: seen ``min_frames`` frames in a row, inside a required zone if
+the camera has any), optionally a last one when they leave (``track_end``, after
+``lost_frames`` frames unseen, with the last frame they were seen in) and one every
+``interval_s`` while they stay (``interval``) -- never more than ``max_descriptions``.
 """
 
 from __future__ import annotations
@@ -14,12 +21,16 @@ from dataclasses import dataclass
 
 from pipelines import metrics
 from pipelines.config import GateConfig
+from pipelines.detect import Detection
+from pipelines.ingest import Frame
+from pipelines.zones import CameraZones
 
 
 @dataclass(frozen=True)
 class Verdict:
     send: bool
     reason: str  # first | cooldown_elapsed | count_changed | too_few_persons | cooldown | ...
+    tracks: tuple[int, ...] = ()  # per-track gating: the tracks the description is for
 
 
 @dataclass
@@ -66,3 +77,171 @@ class Gate:
             state.last_sent = now
             state.reported = persons
         return verdict
+
+
+@dataclass(frozen=True)
+class Trigger:
+    """A description to send: the frame, its detections, and why (``verdict.tracks``: the
+    tracks it is for; ``suffix`` tells apart two sends of one frame, e.g. ``end``)."""
+
+    frame: Frame
+    detections: list[Detection]
+    verdict: Verdict
+    suffix: str = ""
+
+
+@dataclass
+class _Track:
+    last_index: int  # the camera's frame number when last seen
+    frame: Frame | None = None  # the last frame it was seen in (for track_end)
+    detection: Detection | None = None
+    streak: int = 0  # frames in a row seen (inside a required zone, if any)
+    significant_at: float | None = None
+    started: bool = False  # track_start sent
+    described: int = 0
+    last_described: float | None = None
+    ended: bool = False
+
+
+class TrackGate:
+    """One camera's per-track gate; ``decide`` is called once per detected frame, in time
+    order, with the frame's detections after tracking (``track_id`` set where tracked)."""
+
+    def __init__(self, camera_id: str, config: GateConfig, zones: CameraZones) -> None:
+        self.camera_id = camera_id
+        self.config = config
+        self.zones = zones
+        self.events = set(config.describe_on)
+        self.tracks: dict[int, _Track] = {}
+        self.index = 0
+        self.last_sent: float | None = None
+
+    def decide(self, frame: Frame, detections: list[Detection]) -> list[Trigger]:
+        """What to send for this frame: at most one description of it (for every track that
+        is due) plus one per group of tracks that ended (on the frame they were last seen)."""
+        self.index += 1
+        now = frame.ts
+        size = (frame.image.shape[1], frame.image.shape[0])
+        due, skip = self._update_tracks(frame, detections, size, now)
+        out = self._ended()
+        if due and self.last_sent is not None and now - self.last_sent < self.config.min_interval_s:
+            due, skip = [], "min_interval"  # still due on a later frame
+        if due:
+            reason = "track_start" if any(not t.started for _, t in due) else "track_interval"
+            for _, track in due:
+                track.started = True
+                track.described += 1
+                track.last_described = now
+            self.last_sent = now
+            verdict = Verdict(True, reason, tuple(tid for tid, _ in due))
+            out.insert(0, Trigger(frame, detections, verdict))
+        else:
+            self._count(Verdict(False, skip))
+        for trigger in out:
+            self._count(trigger.verdict)
+        return out
+
+    def _update_tracks(
+        self, frame: Frame, detections: list[Detection], size: tuple[int, int], now: float
+    ) -> tuple[list[tuple[int, _Track]], str]:
+        """Record this frame's tracks; return those due for a description and, for when none
+        is, the reason to skip the frame."""
+        cfg = self.config
+        due: list[tuple[int, _Track]] = []
+        reasons: set[str] = set()
+        for det in detections:
+            if det.track_id is None:
+                reasons.add("track_unconfirmed")
+                continue
+            track = self.tracks.get(det.track_id)
+            if track is None:
+                track = self.tracks[det.track_id] = _Track(self.index)
+            track.last_index, track.frame, track.detection = self.index, frame, det
+            track.ended = False
+            if self.zones.in_required(det, size):
+                track.streak += 1
+            else:
+                track.streak = 0
+                reasons.add("outside_zones")
+            if track.significant_at is None:
+                if track.streak < cfg.min_frames:
+                    reasons.add("not_significant")
+                    continue
+                track.significant_at = now
+            if track.streak == 0:
+                continue  # significant once, but out of the required zones now
+            if track.described >= cfg.max_descriptions:
+                reasons.add("max_descriptions")
+            elif self._due(track, now):
+                due.append((det.track_id, track))
+            else:
+                reasons.add("already_described")
+        return due, _first(reasons, "no_tracks")
+
+    def _due(self, track: _Track, now: float) -> bool:
+        if "track_start" in self.events and not track.started:
+            return True
+        return "interval" in self.events and self._interval_due(track, now)
+
+    def _interval_due(self, track: _Track, now: float) -> bool:
+        since = track.last_described if track.last_described is not None else track.significant_at
+        # without track_start, the first interval description comes interval_s after the
+        # track became significant
+        return since is not None and now - since >= self.config.interval_s
+
+    def _ended(self) -> list[Trigger]:
+        """Tracks unseen for ``lost_frames`` frames have ended: a ``track_end`` description
+        of each significant one (grouped by the frame they were last seen in); tracks long
+        gone are forgotten."""
+        cfg = self.config
+        groups: dict[int, list[tuple[int, _Track]]] = {}
+        for tid, track in list(self.tracks.items()):
+            unseen = self.index - track.last_index
+            if not track.ended and unseen >= cfg.lost_frames:
+                track.ended = True
+                if (
+                    "track_end" in self.events
+                    and track.significant_at is not None
+                    and track.described < cfg.max_descriptions
+                    and track.frame is not None
+                ):
+                    groups.setdefault(id(track.frame), []).append((tid, track))
+                else:
+                    track.frame = None  # nothing more to send of it: free the image
+            elif track.ended and unseen >= cfg.lost_frames + FORGET_AFTER_FRAMES:
+                del self.tracks[tid]
+        out = []
+        for members in groups.values():
+            frame = members[0][1].frame
+            assert frame is not None
+            dets = [t.detection for _, t in members if t.detection is not None]
+            for _, track in members:
+                track.described += 1
+                track.last_described = frame.ts
+                track.frame = None
+            verdict = Verdict(True, "track_end", tuple(tid for tid, _ in members))
+            out.append(Trigger(frame, dets, verdict, suffix="end"))
+        return out
+
+    def _count(self, verdict: Verdict) -> None:
+        metrics.GATE_DECISIONS.labels(
+            self.camera_id, "send" if verdict.send else "skip", verdict.reason
+        ).inc()
+
+
+# an ended track's state is kept this many frames more, in case the tracker finds it again
+# (it keeps lost tracks for its own track_buffer): it then goes on, not described anew
+FORGET_AFTER_FRAMES = 300
+
+# when a frame has several reasons to be skipped, the one reported (most telling first)
+SKIP_ORDER = (
+    "outside_zones",
+    "not_significant",
+    "already_described",
+    "max_descriptions",
+    "track_unconfirmed",
+)
+
+
+def _first(reasons: set[str], default: str) -> str:
+    return next((r for r in SKIP_ORDER if r in reasons), default)

@@ -50,6 +50,12 @@ CAMERA_PERSONS = Gauge("vs_camera_persons", "detections in the camera's latest f
 GATE_DECISIONS = Counter(
     "vs_gate_decisions", "gate verdicts by reason", ["camera", "decision", "reason"]
 )
+DETECTIONS_FILTERED = Counter(
+    "vs_detections_filtered",
+    "detections dropped by a camera's masks or object filters, by reason",
+    ["camera", "reason"],
+)
+TRACKS_STARTED = Counter("vs_tracks_started", "tracks seen by a camera's tracker", ["camera"])
 
 # --- queue producer --------------------------------------------------------------------
 FRAMES_ENQUEUED = Counter("vs_frames_enqueued", "frames added to the Redis stream", ["camera"])
@@ -78,7 +84,29 @@ VLM_SECONDS = Histogram(
     "vs_vlm_request_seconds", "one chat completion request", buckets=LATENCY_BUCKETS
 )
 VLM_ERRORS = Counter("vs_vlm_errors", "failed VLM requests by kind", ["kind"])
-VLM_UP = Gauge("vs_vlm_up", "0 while the endpoint is failing (intake paused)")
+VLM_UP = Gauge("vs_vlm_up", "0 while every endpoint is failing (intake paused)")
+# per endpoint (describer.endpoints; label: its name, default host:port)
+ENDPOINT_UP = Gauge(
+    "vs_vlm_endpoint_up", "1 while the endpoint is in rotation, 0 while it is out", ["endpoint"]
+)
+ENDPOINT_INFLIGHT = Gauge(
+    "vs_vlm_endpoint_inflight", "requests this worker has open at the endpoint", ["endpoint"]
+)
+ENDPOINT_QUEUE = Gauge(
+    "vs_vlm_endpoint_queue_depth",
+    "waiting + running requests the endpoint's /metrics reported (all its clients)",
+    ["endpoint"],
+)
+ENDPOINT_REQUESTS = Counter(
+    "vs_vlm_endpoint_requests",
+    "requests to the endpoint by outcome: ok / unavailable / server_error / rejected",
+    ["endpoint", "outcome"],
+)
+ENDPOINT_TRANSITIONS = Counter(
+    "vs_vlm_endpoint_transitions",
+    "endpoint taken out of (to=down) / put back in (to=up) rotation",
+    ["endpoint", "to"],
+)
 DESCRIBE_INFLIGHT = Gauge("vs_describe_inflight", "frames being described by this worker")
 RECLAIMED = Counter("vs_describe_reclaimed", "pending frames claimed from idle consumers")
 QUEUE_LAG = Gauge("vs_queue_lag_entries", "stream entries not yet delivered to any describer")

@@ -1,4 +1,5 @@
-"""The ingest process: camera readers -> batched detector -> gate -> Redis producer.
+"""The ingest process: camera readers -> batched detector -> per-camera filters, zones and
+tracker -> gate -> Redis producer.
 
 Why this shape: readers run on their own threads (OpenCV blocks), the detector runs on the
 calling thread over whatever newest frames the cameras have (one batch across cameras),
@@ -17,12 +18,14 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from pipelines import metrics
-from pipelines.config import DetectorOverrides, PipelineConfig
+from pipelines.config import CameraConfig, DetectorOverrides, PipelineConfig
 from pipelines.detect import Detection
-from pipelines.gate import Gate
+from pipelines.gate import Gate, TrackGate, Verdict
 from pipelines.ingest import CameraReader, Frame
 from pipelines.logs import kv
 from pipelines.queue import FrameQueue, Outgoing
+from pipelines.tracking import CameraTracker
+from pipelines.zones import CameraZones, padded_crop, union
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,18 @@ class CameraPipeline:
         self.config = config
         self.detector = detector
         self.gate = Gate(config.gate)
+        self.cameras: dict[str, CameraConfig] = {cam.id: cam for cam in config.cameras}
+        self.zones = {cam.id: CameraZones(cam) for cam in config.cameras}
+        self.gates: dict[str, Gate] = {}  # per-frame gating (a camera with overrides: its own)
+        self.track_gates: dict[str, TrackGate] = {}
+        self.trackers: dict[str, CameraTracker] = {}
+        for cam in config.cameras:
+            gate = config.gate_for(cam.id)
+            if gate.tracks:
+                self.trackers[cam.id] = CameraTracker(cam.id, config.tracker)
+                self.track_gates[cam.id] = TrackGate(cam.id, gate, self.zones[cam.id])
+            else:
+                self.gates[cam.id] = self.gate if gate is config.gate else Gate(gate)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.readers = {
@@ -55,6 +70,7 @@ class CameraPipeline:
         self.detected: Counter[str] = Counter()  # frames through the detector, per camera
         self.sent: Counter[str] = Counter()  # frames the gate passed, per camera
         self.persons: dict[str, int] = {}  # detections in each camera's latest frame
+        self.last_detections: dict[str, list[Detection]] = {}  # filtered, tracked
         self.batches = 0
         self.detect_seconds = 0.0
         self._next_camera = 0
@@ -130,14 +146,75 @@ class CameraPipeline:
         self.detect_seconds += time.monotonic() - started
         self.batches += 1
         for frame, dets in zip(frames, detections, strict=True):
-            self.detected[frame.camera_id] += 1
-            metrics.CAMERA_PERSONS.labels(frame.camera_id).set(len(dets))
-            self.persons[frame.camera_id] = len(dets)
-            verdict = self.gate.decide(frame.camera_id, len(dets), frame.ts)
-            if verdict.send:
+            for item in self.process(frame, dets):
                 self.sent[frame.camera_id] += 1
-                self.queue.submit(Outgoing(frame, dets, verdict.reason))
+                self.queue.submit(item)
         return len(frames)
+
+    def process(self, frame: Frame, dets: list[Detection]) -> list[Outgoing]:
+        """One detected frame through filters, tracker and gate: what to send for it."""
+        camera_id = frame.camera_id
+        self.detected[camera_id] += 1
+        dets = self._follow(frame, dets)
+        metrics.CAMERA_PERSONS.labels(camera_id).set(len(dets))
+        self.persons[camera_id] = len(dets)
+        self.last_detections[camera_id] = dets
+        return self._gate(frame, dets)
+
+    def _follow(self, frame: Frame, dets: list[Detection]) -> list[Detection]:
+        """The camera's masks and object filters, then its tracker (which must see every
+        frame, empty ones too, to know a track was lost)."""
+        zones = self.zones.get(frame.camera_id)
+        if zones is not None:
+            dets = zones.filter(dets, (frame.image.shape[1], frame.image.shape[0]))
+        tracker = self.trackers.get(frame.camera_id)
+        return dets if tracker is None else tracker.update(dets, frame.image)
+
+    def _gate(self, frame: Frame, dets: list[Detection]) -> list[Outgoing]:
+        """What goes to Redis for this frame: per-track triggers, or the per-frame verdict
+        counting only detections inside the required zones."""
+        camera_id = frame.camera_id
+        track_gate = self.track_gates.get(camera_id)
+        if track_gate is not None:
+            return [
+                self._outgoing(t.frame, t.detections, t.verdict, t.suffix)
+                for t in track_gate.decide(frame, dets)
+            ]
+        zones = self.zones.get(camera_id)
+        if zones is not None and zones.required:
+            size = (frame.image.shape[1], frame.image.shape[0])
+            counted = [d for d in dets if zones.in_required(d, size)]
+        else:
+            counted = dets
+        verdict = self.gates.get(camera_id, self.gate).decide(camera_id, len(counted), frame.ts)
+        if not verdict.send:
+            return []
+        return [self._outgoing(frame, dets, verdict, focus=counted)]
+
+    def _outgoing(
+        self,
+        frame: Frame,
+        dets: list[Detection],
+        verdict: Verdict,
+        suffix: str = "",
+        focus: list[Detection] | None = None,
+    ) -> Outgoing:
+        """The queue item, cropped to what the camera's ``describer.view`` shows the VLM:
+        the boxes of the triggering tracks (or ``focus``) padded, or the zones."""
+        camera = self.cameras.get(frame.camera_id)
+        crop = None
+        if camera is not None and camera.describer.view != "frame":
+            view = camera.describer
+            size = (frame.image.shape[1], frame.image.shape[0])
+            if view.view == "zone":
+                crop = padded_crop(self.zones[camera.id].zone_rect(size), size, 0, view.min_crop)
+            else:
+                if focus is None:
+                    focus = [d for d in dets if d.track_id in verdict.tracks] or dets
+                box = union(d.box for d in focus)
+                if box is not None:
+                    crop = padded_crop(box, size, view.crop_padding, view.min_crop)
+        return Outgoing(frame, dets, verdict.reason, verdict.tracks, crop, suffix)
 
     def _take_frames(self) -> list[Frame]:
         # round-robin start, so with more cameras than max_batch none is always last

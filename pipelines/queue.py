@@ -65,7 +65,7 @@ import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import cv2
@@ -77,6 +77,7 @@ from pipelines.config import QueueConfig
 from pipelines.detect import Detection
 from pipelines.ingest import Frame
 from pipelines.logs import kv
+from pipelines.redis_urls import make_client
 from pipelines.worker import log_redis_down
 
 log = logging.getLogger(__name__)
@@ -234,8 +235,11 @@ CAMERA_FIELDS = (
 
 
 def connect(url: str, block_ms: int = 0) -> redis.Redis:
-    """A client whose reads outlive an ``XREADGROUP BLOCK`` but not a dead server."""
-    return redis.Redis.from_url(
+    """A client whose reads outlive an ``XREADGROUP BLOCK`` but not a dead server.
+
+    Any URL ``config.redis_url`` accepts: ``redis://``, ``rediss://``, ``unix://``,
+    ``redis+sentinel://`` (the current master) and ``redis+cluster://`` (``redis_urls``)."""
+    return make_client(
         url,
         socket_timeout=max(5.0, block_ms / 1000 + 5.0),
         socket_connect_timeout=2.0,
@@ -349,14 +353,35 @@ class Outgoing:
     frame: Frame
     detections: list[Detection]
     gate_reason: str
+    tracks: tuple[int, ...] = ()  # per-track gating: the tracks this description is for
+    crop: tuple[int, int, int, int] | None = None  # x1, y1, x2, y2: the part of the frame sent
+    suffix: str = ""  # a second send of one frame (track_end) gets its own frame_uid
 
 
 def encode_entry(item: Outgoing, cfg: QueueConfig) -> tuple[bytes, dict[str, str]]:
-    """JPEG bytes (downscaled to ``max_image_side``) and the stream entry's fields.
+    """JPEG bytes (cropped to ``crop``, downscaled to ``max_image_side``) and the stream
+    entry's fields.
 
-    Boxes are scaled with the image, so they match the JPEG the describer sends.
+    Boxes are shifted and scaled with the image, so they match the JPEG the describer sends;
+    with a crop, boxes wholly outside it are left out and the others clipped to it. The
+    fields added for tracking and crops (``tracks``, ``crop``, ``frame_width``,
+    ``frame_height``) appear only when set: other entries keep their old shape.
     """
     image = item.frame.image
+    detections = item.detections
+    ox = oy = 0
+    if item.crop is not None:
+        full_h, full_w = image.shape[:2]
+        x1, y1, x2, y2 = item.crop
+        x1, y1 = max(0, min(x1, full_w - 1)), max(0, min(y1, full_h - 1))
+        x2, y2 = max(x1 + 1, min(x2, full_w)), max(y1 + 1, min(y2, full_h))
+        image, ox, oy = image[y1:y2, x1:x2], x1, y1
+        detections = [
+            replace(d, box=(max(bx1, x1), max(by1, y1), min(bx2, x2), min(by2, y2)))
+            for d in detections
+            for bx1, by1, bx2, by2 in [d.box]
+            if bx1 < x2 and bx2 > x1 and by1 < y2 and by2 > y1
+        ]
     height, width = image.shape[:2]
     scale = min(1.0, cfg.max_image_side / max(height, width))
     if scale < 1.0:
@@ -366,9 +391,10 @@ def encode_entry(item: Outgoing, cfg: QueueConfig) -> tuple[bytes, dict[str, str
     if not ok:
         raise ValueError("JPEG encoding failed")
     boxes = []
-    for det in item.detections:
+    for det in detections:
         d = det.to_dict()
-        d["box"] = [round(v * scale, 1) for v in det.box]
+        x1, y1, x2, y2 = det.box
+        d["box"] = [round(v * scale, 1) for v in (x1 - ox, y1 - oy, x2 - ox, y2 - oy)]
         boxes.append(d)
     fields = {
         "camera": item.frame.camera_id,
@@ -380,6 +406,12 @@ def encode_entry(item: Outgoing, cfg: QueueConfig) -> tuple[bytes, dict[str, str
         "height": str(height),
         "gate": item.gate_reason,
     }
+    if item.tracks:
+        fields["tracks"] = json.dumps(list(item.tracks))
+    if item.crop is not None:
+        full_h, full_w = item.frame.image.shape[:2]
+        fields["crop"] = json.dumps([ox, oy, ox + image.shape[1], oy + image.shape[0]])
+        fields["frame_width"], fields["frame_height"] = str(full_w), str(full_h)
     return buf.tobytes(), fields
 
 
@@ -446,6 +478,11 @@ class FrameQueue:
     def frame_uid(self, frame: Frame) -> str:
         """The frame's identity: survives a retried send, not a pipeline restart."""
         return f"{frame.camera_id}:{self.run_id}:{frame.seq}"
+
+    def item_uid(self, item: Outgoing) -> str:
+        """The sent item's identity: the frame's, plus its ``suffix`` when it has one."""
+        uid = self.frame_uid(item.frame)
+        return f"{uid}:{item.suffix}" if item.suffix else uid
 
     def submit(self, item: Outgoing) -> None:
         """Queue a frame for Redis without blocking; the oldest is dropped when full."""
@@ -652,7 +689,7 @@ class FrameQueue:
 
     def _send(self, item: Outgoing) -> None:
         jpeg, fields = encode_entry(item, self.cfg)
-        uid = self.frame_uid(item.frame)
+        uid = self.item_uid(item)
         fields["frame_uid"] = uid
         image_key = f"{self.cfg.image_prefix}{uid}"
         fields["image"] = image_key

@@ -30,7 +30,7 @@ import numpy as np
 import openai
 
 from pipelines import metrics
-from pipelines.config import DescriberConfig, PipelineConfig
+from pipelines.config import DescriberConfig, EndpointConfig, PipelineConfig
 
 
 class EndpointUnavailable(Exception):
@@ -60,14 +60,45 @@ def build_prompt(base: str, fields: dict[str, str]) -> str:
     size = f"{fields.get('width', '?')}x{fields.get('height', '?')}"
     if boxes:
         listed = "; ".join(
-            f"{b.get('label', 'object')} {float(b.get('conf', 0)):.2f} at "
+            f"{b.get('label', 'object')}{_track_tag(b)} {float(b.get('conf', 0)):.2f} at "
             f"[{', '.join(str(round(v)) for v in b.get('box', []))}]"
             for b in boxes
         )
         detections = f"{len(boxes)} detection(s) (x1, y1, x2, y2 in a {size} image): {listed}"
     else:
         detections = "no detections"
-    return f"{base}\nCamera: {fields.get('camera', '?')}. Captured: {when}. Detector: {detections}."
+    camera = fields.get("camera", "?")
+    prompt = f"{base}\nCamera: {camera}. Captured: {when}. Detector: {detections}."
+    return prompt + _tracking_note(fields, boxes)
+
+
+def _tracking_note(fields: dict[str, str], boxes: list[dict[str, Any]]) -> str:
+    """What per-track gating and crops add (nothing for entries without them): which
+    tracks the description is for and why, and that the image is part of the frame."""
+    note = ""
+    if fields.get("crop"):
+        full = f"{fields.get('frame_width', '?')}x{fields.get('frame_height', '?')}"
+        note += f"\nThe image is the region {fields['crop']} of the {full} camera frame."
+    try:
+        wanted = set(json.loads(fields.get("tracks", "[]")))
+    except (json.JSONDecodeError, TypeError):
+        wanted = set()
+    tracked = [b for b in boxes if b.get("track_id") in wanted]
+    if tracked:
+        listed = "; ".join(
+            f"{b.get('label', 'object')} #{b['track_id']} at "
+            f"[{', '.join(str(round(v)) for v in b.get('box', []))}]"
+            for b in tracked
+        )
+        event = {"track_end": "last seen", "track_interval": "still here"}.get(
+            fields.get("gate", ""), "new"
+        )
+        note += f"\nTracked ({event}): {listed}."
+    return note
+
+
+def _track_tag(box: dict[str, Any]) -> str:
+    return f" #{box['track_id']}" if box.get("track_id") is not None else ""
 
 
 def fit_size(width: int, height: int, max_pixels: int) -> tuple[int, int]:
@@ -135,15 +166,20 @@ async def frame_request(
 
 
 class VLMClient:
-    """Async chat-completions client for frame descriptions."""
+    """Async chat-completions client for frame descriptions, to one endpoint (``endpoint``,
+    default the first of ``cfg.endpoint_list()``); its ``api_key`` / ``model`` default to
+    the describer's."""
 
-    def __init__(self, cfg: DescriberConfig) -> None:
-        if not cfg.model:
+    def __init__(self, cfg: DescriberConfig, endpoint: EndpointConfig | None = None) -> None:
+        endpoint = endpoint or cfg.endpoint_list()[0]
+        self.model = endpoint.model or cfg.model
+        if not self.model:
             raise ValueError("describer.model is required (the served model's name)")
         self.cfg = cfg
+        self.endpoint = endpoint
         self.client = openai.AsyncOpenAI(
-            base_url=cfg.base_url,
-            api_key=cfg.api_key,
+            base_url=endpoint.base_url,
+            api_key=endpoint.api_key if endpoint.api_key is not None else cfg.api_key,
             timeout=cfg.timeout_s,
             max_retries=cfg.retries,
         )
@@ -163,7 +199,7 @@ class VLMClient:
         started = time.monotonic()
         try:
             response = await self.client.chat.completions.create(
-                model=self.cfg.model,
+                model=self.model,
                 messages=[
                     {
                         "role": "user",
@@ -196,7 +232,7 @@ class VLMClient:
         usage = response.usage
         # an empty text is still the model's answer for this frame: stored, not retried
         return (response.choices[0].message.content or "").strip(), {
-            "model": response.model or self.cfg.model,
+            "model": response.model or self.model,
             "completion_tokens": getattr(usage, "completion_tokens", 0) or 0,
             "vlm_seconds": time.monotonic() - started,
         }

@@ -24,6 +24,7 @@ import redis.asyncio as aredis
 
 from pipelines.backoff import Backoff
 from pipelines.logs import kv
+from pipelines.redis_urls import make_client
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +47,11 @@ def log_redis_down(component: str, exc: BaseException) -> None:
 
 
 def connect_async(url: str, block_ms: int) -> aredis.Redis:
-    """An asyncio client whose reads outlive an ``XREADGROUP BLOCK`` but not a dead server."""
-    return aredis.Redis.from_url(
+    """An asyncio client whose reads outlive an ``XREADGROUP BLOCK`` but not a dead server
+    (any URL form ``queue.connect`` takes: the two share ``redis_urls.make_client``)."""
+    return make_client(
         url,
+        asyncio=True,
         socket_timeout=block_ms / 1000 + 5.0,
         socket_connect_timeout=2.0,
         health_check_interval=15,

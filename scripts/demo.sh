@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fresh-machine demo of the whole stack, no model hub, no Docker:
-#   1. set up (apt packages, .venv) and generate a checkpoint (random weights: the words are
-#      noise, the serving is real);
+#   1. set up (apt packages, .venv), generate a checkpoint (random weights: the words are
+#      noise, the serving is real) and a person detector (`vision-serve make-detector`: YOLO26n
+#      trained on synthetic frames, a few minutes the first time, then cached);
 #   2. ask the engine about a real photo from the terminal;
 #   3. run the camera stack for ~DEMO_SECONDS: redis (AOF) + `vision-serve serve` + a looping
 #      camera video (people and empty frames) -> `vision-serve pipeline` (YOLO26, gate, Redis
@@ -21,6 +22,12 @@ WORK=$(mktemp -d /tmp/vision-serve-demo.XXXX)
 if [ ! -f "$CKPT/config.json" ]; then
   vision-serve make-model --family qwen2_vl --preset "$PRESET" --out "$CKPT"
 fi
+# the trained person detector (cached under ~/.cache/vision-serve/detectors/); stdout's last
+# line is its weights path, the summary (held-out mAP50) goes to stderr
+DETECTOR=$(vision-serve make-detector | tail -n 1)
+# its input size and confidence threshold (max F1 on held-out frames), from its metrics.json
+read -r DETECTOR_IMGSZ DETECTOR_CONF < <(python -c 'import json, sys
+m = json.load(open(sys.argv[1])); print(m["imgsz"], m["conf"])' "$(dirname "$DETECTOR")/metrics.json")
 # find_spec, not import: the first `import ultralytics` on a machine prints its settings banner
 # to stdout, which would end up in $ASSETS
 ASSETS=$(python -c 'import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec("ultralytics").origin).parent / "assets")')
@@ -53,8 +60,8 @@ cat >"$WORK/cameras.yaml" <<YAML
 redis_url: redis://127.0.0.1:$REDIS_PORT/0
 cameras:
   - {id: demo-cam, url: $WORK/camera.mp4, fps: 1}
-detector: {weights: yolo26n.yaml, imgsz: 320}   # untrained offline build: it finds nobody,
-gate: {min_persons: 0, cooldown_s: 4}            # so the demo gate sends frames regardless
+detector: {weights: $DETECTOR, imgsz: $DETECTOR_IMGSZ, conf: $DETECTOR_CONF}  # finds the people
+gate: {min_persons: 1, cooldown_s: 4}            # so the empty street frames are gated out
 describer: {base_url: "http://127.0.0.1:$VLM_PORT/v1", model: demo, max_tokens: 24, concurrency: 2}
 metrics: {pipeline_port: 0, describe_port: 0}
 events: {data_dir: $WORK/events}

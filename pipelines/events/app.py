@@ -46,6 +46,7 @@ from pipelines.events.retention import RetentionLoop
 from pipelines.events.store import EventStore, QueryError
 from pipelines.logs import kv
 from pipelines.queue import accounting, queue_depth
+from pipelines.redis_urls import make_client
 from vision_serve.auth import bearer_key_dependency
 
 log = logging.getLogger(__name__)
@@ -211,7 +212,7 @@ def create_app(config: PipelineConfig) -> FastAPI:
     notifier = Notifier()
     consumer = EventConsumer(config, store, on_stored=notifier.notify)
     retention = RetentionLoop(store, config.events)
-    live = redis.Redis.from_url(config.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    live = make_client(config.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
     redescribe_slots = asyncio.Semaphore(config.ui.redescribe_concurrency)
     vlm_client: list[Any] = []  # created on first use: most processes never re-describe
 

@@ -52,6 +52,53 @@ def detector(detector_config: Any) -> Any:
     return Detector(detector_config)
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselection sees the marks
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Tests on the trained detector are in the slow tier: on a fresh machine its build
+    (``vision-serve make-detector``) takes 4-7 minutes of the 2 cores, more than the fast
+    tier's budget allows; CI runs them (and builds it once per machine)."""
+    if "trained_detector" in getattr(item, "fixturenames", ()):
+        item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(trylast=True)  # after -m/-k deselection: only tests that will run count
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Train the person detector before the first test when a selected test needs it and no
+    build is cached: a first build takes minutes, which no test's timeout should pay."""
+    if not any("trained_detector" in getattr(item, "fixturenames", ()) for item in items):
+        return
+    from pipelines.detector_training import detector_dir, load_build, make_detector
+
+    if load_build(detector_dir()) is not None:
+        return
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    say = reporter.write_line if reporter is not None else print
+    say("tests need the trained person detector: building it once (vision-serve make-detector)")
+    say(make_detector(log=say).summary())
+
+
+@pytest.fixture(scope="session")
+def trained_detector() -> Any:
+    """``vision-serve make-detector``'s build (YOLO26n trained on synthetic frames): built
+    once per machine into ``~/.cache/vision-serve/detectors/`` (a few minutes on 2 cores),
+    reused by every later run. Returns its ``DetectorBuild`` (weights, imgsz, metrics)."""
+    from pipelines.detector_training import make_detector
+
+    return make_detector(log=lambda message: print(message, file=sys.stderr))
+
+
+@pytest.fixture(scope="session")
+def person_detector(trained_detector: Any) -> Any:
+    """The real ``Detector`` on the trained weights, at the size it was trained for and the
+    threshold picked on held-out frames (max F1): it finds
+    the people of the test videos, so the gate runs on real detections (``min_persons: 1``)."""
+    from pipelines.config import DetectorConfig
+    from pipelines.detect import Detector
+
+    build = trained_detector
+    return Detector(DetectorConfig(weights=build.weights, imgsz=build.imgsz, conf=build.conf))
+
+
 @pytest.fixture
 def vlm_double() -> Iterator[VLMDouble]:
     with VLMDouble() as double:

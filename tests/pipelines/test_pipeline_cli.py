@@ -44,12 +44,14 @@ def metrics_text(port: int) -> str:
 
 @pytest.mark.timeout(120)
 def test_pipeline_command_enqueues_exports_metrics_and_stops_on_sigterm(
-    rtsp_server, redis_server, make_config, tmp_path: Path
+    rtsp_server, redis_server, make_config, trained_detector, tmp_path: Path
 ):
+    build = trained_detector  # finds the video's people: the gate runs on real detections
     config = make_config(
         redis_server.url,
         cameras=[{"id": "cli-cam", "url": rtsp_server.url, "fps": 2}],
-        gate={"min_persons": 0, "cooldown_s": 0.5, "min_interval_s": 0},
+        detector={"weights": build.weights, "imgsz": build.imgsz, "conf": build.conf},
+        gate={"min_persons": 1, "cooldown_s": 0.5, "min_interval_s": 0},
     )
     port = free_port()
     path = write_config(tmp_path / "cameras.yaml", config)

@@ -31,8 +31,30 @@ def test_missing_weights_fail_with_advice_instead_of_downloading(tmp_path) -> No
     with pytest.raises(DetectorError) as err:
         resolve_weights(str(tmp_path / "yolo26n.pt"))
     message = str(err.value)
-    assert "detector.weights" in message and ".yaml" in message and "never downloads" in message
+    assert "detector.weights" in message and ".yaml" in message and "downloads are off" in message
     assert not (tmp_path / "yolo26n.pt").exists()
+
+
+def test_downloads_are_opt_in() -> None:
+    from pipelines.detect import download_allowed
+
+    assert DetectorConfig().download is False
+    assert not download_allowed(False)  # YOLO_OFFLINE=1, this package's default
+    assert download_allowed(True)
+
+
+@pytest.mark.timeout(180)
+def test_an_opted_in_download_fetches_or_fails_naming_the_asset(tmp_path, monkeypatch) -> None:
+    """Online, ultralytics fetches yolo26n.pt; offline (as here), a DetectorError says the
+    download failed -- never a hang, never a half-written file taken for weights."""
+    monkeypatch.chdir(tmp_path)
+    try:
+        path = resolve_weights("yolo26n.pt", download=True)
+    except DetectorError as exc:
+        assert "downloading 'yolo26n.pt' failed" in str(exc)
+        assert os.environ["YOLO_OFFLINE"] == "1"  # the opt-in lasted for the attempt only
+    else:
+        assert path.endswith("yolo26n.pt") and os.path.getsize(path) > 1e6
 
 
 def test_a_model_yaml_builds_an_untrained_model(detector) -> None:

@@ -1,9 +1,9 @@
 """Camera to description, end to end: RTSP -> YOLO26 -> gate -> Redis -> describer -> VLM.
 
-The happy path runs against our own ``vision-serve serve`` (tiny checkpoint). The untrained
-YOLO26n finds no people, so the gate is driven by ``InjectedDetections``: the real model
-runs on every sampled frame, then frames that are not the test video's flat grey get one
-person box. Fault tests use the recording double.
+The happy path runs against our own ``vision-serve serve`` (tiny checkpoint) with the person
+detector ``vision-serve make-detector`` trained offline: it finds the people of the test
+video's bus and zidane frames and nobody in its flat grey ones, so the gate
+(``min_persons: 1``) runs on real detections. Fault tests use the recording double.
 """
 
 from __future__ import annotations
@@ -26,18 +26,8 @@ from pipeline_helpers import (
 )
 
 from pipelines import metrics
-from pipelines.detect import Detection, InjectedDetections
-from pipelines.ingest import Frame
 from pipelines.pipeline import CameraPipeline
 from pipelines.queue import queue_depth, read_stats
-
-
-def people_unless_blank(frame: Frame, real: list[Detection]) -> list[Detection]:
-    """The test hook: one person in every frame of the video that is not flat grey."""
-    if is_blank(frame.image):
-        return []
-    h, w = frame.image.shape[:2]
-    return [Detection(0, "person", 0.9, (w * 0.25, h * 0.1, w * 0.6, h * 0.95))]
 
 
 class PipelineThread:
@@ -79,9 +69,9 @@ def gate_count(camera: str, reason: str) -> float:
     return metrics.GATE_DECISIONS.labels(camera, "skip", reason)._value.get()
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)  # the first run on a machine trains the detector (cached after)
 def test_rtsp_frames_with_people_are_described_by_our_server(
-    rtsp_server, redis_server, detector, vlm_server, make_config
+    rtsp_server, redis_server, person_detector, vlm_server, make_config
 ):
     config = make_config(
         redis_server.url,
@@ -91,12 +81,12 @@ def test_rtsp_frames_with_people_are_described_by_our_server(
         queue={"max_frame_age_s": 120},
     )
     client = redis_server.client()
-    injected = InjectedDetections(detector, people_unless_blank)
+    detector = person_detector
     calls_before = detector.calls
     skipped_before = gate_count("e2e-cam", "too_few_persons")
     worker = DescriberThread(config, "e2e").start()
     try:
-        with PipelineThread(config, injected) as pipeline:
+        with PipelineThread(config, detector) as pipeline:
             wait_until(
                 lambda: len(descriptions(client, config.queue)) >= 2, 150, what="2 described"
             )
@@ -122,10 +112,10 @@ def test_rtsp_frames_with_people_are_described_by_our_server(
     assert len({d["frame_id"] for d in got}) == len(got)
     for d in got:
         assert d["camera"] == "e2e-cam" and d["model"] and d["worker"] == "e2e"
-        assert float(d["latency_s"]) > 0 and d["persons"] == "1"
+        assert float(d["latency_s"]) > 0 and int(d["persons"]) >= 1
         jpeg = client.get(d["image"])  # described frames keep their JPEG until the TTL
         image = cv2.imdecode(np.frombuffer(jpeg, np.uint8), cv2.IMREAD_COLOR)
-        assert not is_blank(image)  # only frames with (injected) people were described
+        assert not is_blank(image)  # only frames with (detected) people were described
     assert_every_frame_accounted_for(pipeline)
 
 
