@@ -13,6 +13,7 @@ import os
 import types
 import typing
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 from engine.step_budget import AUTO, StepLimits
 
@@ -21,7 +22,11 @@ ENV_PREFIX = "VISION_SERVE_"
 
 @dataclass
 class EngineArgs:
-    model: str = ""
+    model: str = ""  # checkpoint directory, or a Hugging Face Hub id (engine.model_source)
+    revision: str | None = None  # Hub branch, tag or commit of a Hub id (None: main)
+    # sampling defaults: "auto" (the checkpoint's generation_config.json), "vllm" (none), or a
+    # directory holding a generation_config.json (engine.generation_config)
+    generation_config: str = "auto"
     dtype: str = (
         "auto"  # auto | float32 | bfloat16 | float16 ("auto": bf16 on CPUs with bf16 units)
     )
@@ -80,6 +85,13 @@ class EngineArgs:
             raise ValueError("min_pixels must be <= max_pixels")
         self.step_limits()  # validate early
 
+    def model_path(self) -> Path:
+        """The local checkpoint directory, fetched from the Hub first if ``model`` is a Hub id
+        (raises :class:`engine.model_source.ModelSourceError` when it cannot be had)."""
+        from engine.model_source import resolve_model_path
+
+        return resolve_model_path(self.model, self.revision)
+
     @property
     def time_sized(self) -> bool:
         """Steps sized by predicted time unless the user fixed a token budget."""
@@ -122,7 +134,12 @@ def _time_limit(name: str, value: str | float | None, time_sized: bool) -> float
 
 
 HELP = {
-    "model": "checkpoint directory (Hugging Face layout: config.json, *.safetensors, processor)",
+    "model": "checkpoint directory (Hugging Face layout: config.json, *.safetensors, processor) "
+    "or a Hugging Face Hub id (org/name), fetched into the HF cache (HF_HOME, HF_HUB_CACHE; "
+    "HF_TOKEN for gated models; HF_HUB_OFFLINE=1: cache only)",
+    "revision": "branch, tag or commit of a Hub --model (default: main)",
+    "generation_config": "sampling defaults for fields a request leaves out: 'auto' (the "
+    "checkpoint's generation_config.json), 'vllm' (none: OpenAI's), or a folder holding one",
     "dtype": "auto | float32 | bfloat16 | float16 (auto: bf16 where the CPU/GPU runs it fast)",
     "device": "auto | cpu | cuda",
     "max_num_batched_tokens": "fixed token budget of one step (decodes + prefill chunks); "

@@ -6,8 +6,8 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,24 +16,24 @@ from engine.calibration import calibrate_cached, calibration_key, log_step_polic
 from engine.config import EngineArgs
 from engine.detokenizer import IncrementalDetokenizer
 from engine.device import (
-    cpu_has_fast_bf16,
     freeze_loaded_objects,
     keep_freed_host_memory,
-    resolve_device,
-    resolve_dtype,
 )
 from engine.encoder_cache import EncoderCacheManager
 from engine.errors import InvalidRequestError, PromptTooLongError, QueueFullError
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
+from engine.model_source import model_display_name
 from engine.models import load_model
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.platform import resolve_platform
 from engine.processing import InputProcessor
 from engine.prompt_guard import PromptLengthGuard
 from engine.request import Priority, ProcessedPrompt, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.stats import EngineStats
+from engine.structured_output import GrammarCompiler
 
 log = logging.getLogger("engine")
 
@@ -43,21 +43,18 @@ class LLMEngine:
         if not args.model:
             raise ValueError("EngineArgs.model: path to a checkpoint directory is required")
         self.args = args
-        self.device = resolve_device(args.device)
-        self.dtype = resolve_dtype(args.dtype, self.device, cpu_kernels=args.cpu_kernels)
+        self.platform = resolve_platform(args)  # every hardware-dependent choice, once
+        self.device = self.platform.device
+        self.dtype = self.platform.dtype
         if self.device.type == "cpu":
             keep_freed_host_memory()
             if args.num_threads:
                 torch.set_num_threads(args.num_threads)
         torch.manual_seed(args.seed)
-        self.model_dir = Path(args.model)
-        self.model_name = self.model_dir.name
+        self.model_dir = args.model_path()  # a Hub id is fetched into the HF cache first
+        self.model_name = model_display_name(args.model)
         self.model, self.hf_config, self.architecture = load_model(
-            self.model_dir,
-            self.dtype,
-            self.device,
-            cpu_kernels=args.cpu_kernels,
-            quantization=args.quantization,
+            self.model_dir, self.dtype, self.device, plan=self.platform
         )
         self.processor = InputProcessor(
             self.model_dir, self.hf_config, min_pixels=args.min_pixels, max_pixels=args.max_pixels
@@ -85,7 +82,7 @@ class LLMEngine:
             self.dtype,
             self.device,
             self.eos_token_ids,
-            encoder_rows_per_item=self._encoder_rows_per_item(args),
+            encoder_rows_per_item=self.platform.encoder_rows_per_item,
         )
         limits = args.step_limits()
         self.scheduler = Scheduler(
@@ -116,6 +113,8 @@ class LLMEngine:
             )
         log_step_policy(self.scheduler, args)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._grammar_compiler: GrammarCompiler | None = None  # on the first constrained request
+        self._grammar_lock = threading.Lock()
         self.last_step_idle = False  # the last step had nothing to run
         self.stats = EngineStats(kv_blocks_total=num_blocks)
         freeze_loaded_objects()
@@ -132,22 +131,6 @@ class LLMEngine:
             limits.max_tokens,
             args.enable_chunked_prefill,
         )
-
-    def _encoder_rows_per_item(self, args: EngineArgs) -> int | None:
-        """Encoder work granularity. With bf16 arithmetic, 64-row items keep CPU steps short at
-        little cost. In fp32, or where bf16 is emulated (each item widens every weight it
-        touches, UpcastLinear), small items cost a fifth of a frame's encode: 256-row items
-        (2.04 -> 1.77 s emulated, 2.04 -> 1.58 s fp32 on a 2-core Ice Lake; ~13 ms an item).
-        On a GPU a 64-row item is all launch overhead (0.25 s per frame in items, 0.01 whole)."""
-        rows = args.encoder_rows_per_item
-        if rows is None:
-            if self.device.type != "cpu":
-                rows = 0
-            elif self.dtype == torch.bfloat16 and cpu_has_fast_bf16():
-                rows = 64
-            else:
-                rows = 256
-        return rows or None
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -166,7 +149,18 @@ class LLMEngine:
         """Tokenise and preprocess; thread-safe, meant to run off the step loop."""
         return self.processor.process(inputs)
 
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Built once, lazily: indexing a 151k vocabulary costs about a second."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(
+                    self.tokenizer, self.hf_config.text_config.vocab_size, self.eos_token_ids
+                )
+            return self._grammar_compiler
+
     def validate(self, prompt: ProcessedPrompt, params: SamplingParams) -> None:
+        if params.structured_outputs is not None:  # compiled here, cached: a bad spec is a 400
+            self.grammar_compiler().compile(params.structured_outputs)
         n = len(prompt.token_ids)
         if n >= self.max_model_len:
             raise PromptTooLongError(
@@ -193,6 +187,12 @@ class LLMEngine:
         vocab = self.hf_config.text_config.vocab_size
         if any(t < 0 or t >= vocab for t in prompt.token_ids):
             raise InvalidRequestError("prompt token id out of the vocabulary", param="prompt")
+        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
+            bad = next(t for t in params.logit_bias if t >= vocab)
+            raise InvalidRequestError(
+                f"logit_bias token id {bad} is out of the vocabulary (size {vocab})",
+                param="logit_bias",
+            )
 
     def add_request(
         self,
@@ -230,6 +230,8 @@ class LLMEngine:
             deadline_s,
             arrival_time,
         )
+        if params.structured_outputs is not None:
+            req.grammar = self.grammar_compiler().new_state(params.structured_outputs)
         self.detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer, params, prompt.token_ids
         )
@@ -257,6 +259,11 @@ class LLMEngine:
             result.sampled if result else {},
             result.encoder_progress if result else None,
         )
+        if result is not None and result.logprobs:
+            for req, _ in progressed:
+                lp = result.logprobs.get(req.request_id)
+                if lp is not None:
+                    req.output_logprobs.append(lp)
         outputs: list[RequestOutput] = []
         done_ids = {r.request_id for r in finished}
         for req, new_ids in progressed:
@@ -295,6 +302,11 @@ class LLMEngine:
             self.stats.total_generation_tokens += len(req.output_token_ids)
             self.stats.record_finished(req)
         reason = req.status.value if finished else None
+        logprobs = delta_logprobs = None
+        if req.params.logprobs is not None:
+            kept = req.output_logprobs
+            delta_logprobs = kept[len(kept) - len(new_ids) :] if new_ids else []
+            logprobs = list(kept) if finished else None  # whole list once: no O(n^2) copies
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt.prompt,
@@ -308,6 +320,8 @@ class LLMEngine:
                     stop_reason=req.stop_reason if finished else None,
                     delta_text=delta,
                     delta_token_ids=list(new_ids),
+                    logprobs=logprobs,
+                    delta_logprobs=delta_logprobs,
                 )
             ],
             finished=finished,

@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.device import attention_backends
 from engine.kernels import load_cpu_decode
 from engine.layers.attention import build_attention_metadata, padded_block_tables
+from engine.outputs import TokenLogprob
 from engine.sampler import sample
 from engine.scheduler import ScheduledChunk, SchedulerOutput
+from engine.structured_output import BitmaskApplier
 
 log = logging.getLogger("engine.runner")
 
@@ -28,6 +30,7 @@ class StepResult:
     forward_s: float
     encoder_units: float  # vision work done this step (patch-block units)
     encoder_progress: dict[str, float]  # content hash -> work left (0: embeddings ready)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # requests that asked
 
 
 class ModelRunner:
@@ -44,6 +47,7 @@ class ModelRunner:
         self.model = model
         self.encoder_rows_per_item = encoder_rows_per_item
         self.encode_jobs: dict[str, object] = {}  # content hash -> VisionEncodeJob in progress
+        self._step_logprobs: dict[str, TokenLogprob] = {}  # filled by _sample, one step's
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
@@ -67,6 +71,7 @@ class ModelRunner:
             and device.type == "cpu"
         )
         self.fused_decode_steps = 0
+        self._bitmask: BitmaskApplier | None = None  # built on the first constrained row
 
     # decode-only steps of up to this many rows run the fused kernel: its dot-product GEMV up
     # to GEMV_MAX_ROWS rows, oneDNN's packed GEMM (called from the kernel) past that; without
@@ -132,10 +137,11 @@ class ModelRunner:
         units, progress = self._encode(sched)
         t1 = time.perf_counter()
         sampled: dict[str, int] = {}
+        self._step_logprobs = {}
         if sched.chunks:
             sampled = self._forward_and_sample(sched)
         t2 = time.perf_counter()
-        return StepResult(sampled, t1 - t0, t2 - t1, units, progress)
+        return StepResult(sampled, t1 - t0, t2 - t1, units, progress, self._step_logprobs)
 
     def _encode(self, sched: SchedulerOutput) -> tuple[float, dict[str, float]]:
         """Start new encoding jobs and advance each by the work the scheduler granted."""
@@ -222,10 +228,30 @@ class ModelRunner:
             else []
             for c in sampled_chunks
         ]
-        tokens = sample(
+        self._apply_grammars(logits, sampled_chunks, banned)
+        out = sample(
             logits,
             [c.params for c in sampled_chunks],
             [c.generator for c in sampled_chunks],
             banned,
+            [(c.prompt_token_ids, c.output_token_ids) for c in sampled_chunks],
         )
-        return {c.request_id: t for c, t in zip(sampled_chunks, tokens, strict=True)}
+        for c, lp in zip(sampled_chunks, out.logprobs, strict=True):
+            if lp is not None:
+                self._step_logprobs[c.request_id] = lp
+        return {c.request_id: t for c, t in zip(sampled_chunks, out.token_ids, strict=True)}
+
+    def _apply_grammars(
+        self, logits: torch.Tensor, chunks: list[ScheduledChunk], banned: list[list[int]]
+    ) -> None:
+        """Constrained decoding: mask each constrained row to its grammar's allowed tokens.
+        The grammar alone decides when such a row may end, so its min_tokens ban is lifted (a
+        complete grammar allows only the stop tokens; banning them too would leave nothing)."""
+        rows = [(i, c.grammar) for i, c in enumerate(chunks) if c.grammar is not None]
+        if not rows:
+            return
+        if self._bitmask is None:
+            self._bitmask = BitmaskApplier(logits.shape[-1])
+        self._bitmask.apply(logits, rows)
+        for i, _ in rows:
+            banned[i] = []

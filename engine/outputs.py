@@ -6,6 +6,17 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class TokenLogprob:
+    """One generated token's log-probability under the model (raw logits, before penalties,
+    bias or temperature, as vLLM reports by default), its rank and the best alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+
+
+@dataclass
 class CompletionOutput:
     """One generated sequence. ``text``/``token_ids`` are cumulative; ``delta_*`` are what is new
     since the previous output of the same request (what a streaming server sends)."""
@@ -17,6 +28,10 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    # with ``SamplingParams.logprobs`` set: one entry per token of the delta, and (on the
+    # final output only, to spare a copy per step) one per token of ``token_ids``
+    logprobs: list[TokenLogprob] | None = None
+    delta_logprobs: list[TokenLogprob] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

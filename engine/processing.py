@@ -1,8 +1,13 @@
-"""Input processing: chat template, image loading and preprocessing, M-RoPE positions.
+"""Input processing: chat template, image and video loading and preprocessing, M-RoPE positions.
 
 Uses the checkpoint's own ``AutoProcessor`` (its chat template, image processor and tokenizer),
 so a prompt is tokenised exactly as ``transformers`` would. Runs off the step loop (callers use a
 thread pool): decoding and resizing a camera frame must not stall other requests' decodes.
+
+A video is a list of frames (``{"type": "video", "video": [frame, ...], "fps": 2.0}``, Qwen's
+own part shape): the checkpoint's video processor pairs frames into temporal patches (an odd
+count repeats the last frame), and the clip becomes one media item with ``grid_thw[0] > 1``.
+The engine decodes no video files; the server samples frames from those first.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import binascii
 import hashlib
 import io
 import itertools
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +29,8 @@ from engine.prompt_guard import PromptLengthGuard
 from engine.request import ImageInput, ProcessedPrompt
 
 Messages = list[dict[str, Any]]
+# a prompt's media in order: ("image", source) or ("video", VideoSource)
+Media = list[tuple[str, Any]]
 # vLLM's per-request ``mm_processor_kwargs`` keys we honour: the image size bounds (in pixels)
 # the Qwen2-VL image processor resizes every image into. Image tokens scale with pixels.
 MM_PROCESSOR_KEYS = ("min_pixels", "max_pixels")
@@ -100,12 +108,40 @@ def _open_bytes(raw: bytes, what: str) -> Image.Image:
     return image
 
 
-def _split_messages(messages: Messages) -> tuple[Messages, list[Any]]:
-    """OpenAI-style messages -> (messages the HF chat template understands, image sources)."""
+@dataclass(frozen=True)
+class VideoSource:
+    """A clip as the engine takes it: its frames (anything :func:`load_image` opens) and the
+    rate they were sampled at (``None``: unknown, the video processor's default applies)."""
+
+    frames: list[Any]
+    fps: float | None = None
+
+
+def _video_source(part: dict, param: str) -> VideoSource:
+    """``{"type": "video", "video": [frames], "fps": x}``; ``video`` may also be
+    ``{"frames": [...], "fps": x}`` or a :class:`VideoSource`."""
+    src = part.get("video")
+    fps = part.get("fps")
+    if isinstance(src, VideoSource):
+        return src
+    if isinstance(src, dict):
+        fps = src.get("fps", fps)
+        src = src.get("frames")
+    if not isinstance(src, list | tuple) or not src:
+        raise InvalidRequestError(
+            f"{param}.video must be a non-empty list of frames", param=f"{param}.video"
+        )
+    if fps is not None and (isinstance(fps, bool) or not isinstance(fps, int | float) or fps <= 0):
+        raise InvalidRequestError(f"{param}.fps must be a positive number", param=f"{param}.fps")
+    return VideoSource(list(src), None if fps is None else float(fps))
+
+
+def _split_messages(messages: Messages) -> tuple[Messages, Media]:
+    """OpenAI-style messages -> (messages the HF chat template understands, media sources)."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list", param="messages")
     out: Messages = []
-    images: list[Any] = []
+    images: Media = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or "role" not in msg:
             raise InvalidRequestError(f"messages[{i}] must have a role", param=f"messages[{i}]")
@@ -113,7 +149,8 @@ def _split_messages(messages: Messages) -> tuple[Messages, list[Any]]:
         if content is None:
             content = ""
         if isinstance(content, str):
-            out.append({"role": msg["role"], "content": [{"type": "text", "text": content}]})
+            text = [{"type": "text", "text": content}]
+            out.append({**_tool_fields(msg), "role": msg["role"], "content": text})
             continue
         if not isinstance(content, list):
             raise InvalidRequestError(
@@ -134,15 +171,24 @@ def _split_messages(messages: Messages) -> tuple[Messages, list[Any]]:
                         f"messages[{i}].content[{j}] has no image",
                         param=f"messages[{i}].content[{j}]",
                     )
-                images.append(src)
+                images.append(("image", src))
                 parts.append({"type": "image"})
+            elif kind == "video":
+                images.append(("video", _video_source(part, f"messages[{i}].content[{j}]")))
+                parts.append({"type": "video"})
             else:
                 raise InvalidRequestError(
                     f"messages[{i}].content[{j}]: unsupported part type {kind!r}",
                     param=f"messages[{i}].content[{j}].type",
                 )
-        out.append({"role": msg["role"], "content": parts})
+        out.append({**_tool_fields(msg), "role": msg["role"], "content": parts})
     return out, images
+
+
+def _tool_fields(msg: dict) -> dict:
+    """An assistant message's ``tool_calls`` and a tool message's ``tool_call_id``, which the
+    chat template renders (Qwen's ``<tool_call>`` / ``<tool_response>`` blocks)."""
+    return {k: msg[k] for k in ("tool_calls", "tool_call_id") if msg.get(k) is not None}
 
 
 class InputProcessor:
@@ -168,10 +214,24 @@ class InputProcessor:
         # tokenising it (engine.prompt_guard)
         self.length_guard: PromptLengthGuard | None = None
         self.image_token_id: int = hf_config.image_token_id
+        self.video_token_id: int | None = getattr(hf_config, "video_token_id", None)
         self.spatial_merge_size: int = hf_config.vision_config.spatial_merge_size
+        # Qwen2.5-VL spaces a clip's temporal positions by real time (transformers'
+        # get_rope_index); Qwen2-VL steps them by one per temporal patch
+        self.tokens_per_second: int | None = (
+            getattr(hf_config.vision_config, "tokens_per_second", None)
+            if getattr(hf_config, "model_type", "") == "qwen2_5_vl"
+            else None
+        )
         size = self.processor.image_processor.size  # transformers 5: shortest/longest_edge
         self.min_pixels = int(size["shortest_edge"]) if min_pixels is None else min_pixels
         self.max_pixels = int(size["longest_edge"]) if max_pixels is None else max_pixels
+        # a clip's frames keep the video processor's own bounds unless the engine's were
+        # given explicitly (--min-pixels / --max-pixels)
+        video = getattr(self.processor, "video_processor", None)
+        vsize = video.size if video is not None else size
+        self.video_min_pixels = int(vsize["shortest_edge"]) if min_pixels is None else min_pixels
+        self.video_max_pixels = int(vsize["longest_edge"]) if max_pixels is None else max_pixels
         if self.min_pixels > self.max_pixels:
             raise ValueError(
                 f"min_pixels {self.min_pixels} > max_pixels {self.max_pixels} (a bound not "
@@ -185,29 +245,36 @@ class InputProcessor:
         chat_template_kwargs: dict | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> ProcessedPrompt:
-        size = self._image_size(mm_processor_kwargs)
-        hf_messages, sources = _split_messages(messages)
-        images = [self._load(src, n) for n, src in enumerate(sources)]
-        text = self.processor.apply_chat_template(
-            hf_messages,
-            add_generation_prompt=True,
-            tokenize=False,
-            **(chat_template_kwargs or {}),
-        )
-        return self._process(text, images, size)
+        check_mm_processor_kwargs(mm_processor_kwargs)  # refused before the template runs
+        hf_messages, media = _split_messages(messages)
+        images = [src for kind, src in media if kind == "image"]
+        videos = [src for kind, src in media if kind == "video"]
+        # the generation prompt by default; /tokenize may turn it off (chat_template_kwargs)
+        template_kwargs = {"add_generation_prompt": True, **(chat_template_kwargs or {})}
+        text = self.processor.apply_chat_template(hf_messages, tokenize=False, **template_kwargs)
+        return self.process_prompt(text, images, mm_processor_kwargs, videos)
 
     def process_prompt(
         self,
         prompt: str,
         images: list[Any] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
+        videos: list[Any] | None = None,
     ) -> ProcessedPrompt:
-        """A raw prompt (no chat template). Images need their placeholders in the text."""
+        """A raw prompt (no chat template). Images and videos need their placeholders in the
+        text; a video is a :class:`VideoSource` or a plain list of frames."""
         if not isinstance(prompt, str):
             raise InvalidRequestError("prompt must be a string", param="prompt")
-        size = self._image_size(mm_processor_kwargs)
+        overrides = check_mm_processor_kwargs(mm_processor_kwargs)
+        size = self._image_size(overrides, self.min_pixels, self.max_pixels)
         loaded = [self._load(src, n) for n, src in enumerate(images or [])]
-        return self._process(prompt, loaded, size)
+        clips = [self._load_video(src, n) for n, src in enumerate(videos or [])]
+        video_size = (
+            self._image_size(overrides, self.video_min_pixels, self.video_max_pixels)
+            if clips
+            else None
+        )
+        return self._process(prompt, loaded, size, clips, video_size)
 
     def process(self, inputs: Any) -> ProcessedPrompt:
         """Dispatch on shape: str prompt, messages list, or a vLLM-style dict."""
@@ -229,8 +296,14 @@ class InputProcessor:
             if "prompt" in inputs:
                 mm = inputs.get("multi_modal_data") or {}
                 imgs = mm.get("image") or []
+                vids = mm.get("video") or []
+                if isinstance(vids, VideoSource) or (vids and not _is_clip_list(vids)):
+                    vids = [vids]  # one clip given as a bare list of frames
                 return self.process_prompt(
-                    inputs["prompt"], imgs if isinstance(imgs, list) else [imgs], mm_kwargs
+                    inputs["prompt"],
+                    imgs if isinstance(imgs, list) else [imgs],
+                    mm_kwargs,
+                    vids,
                 )
         raise InvalidRequestError(f"unsupported prompt type {type(inputs).__name__}")
 
@@ -241,13 +314,30 @@ class InputProcessor:
         except InvalidImageError as exc:
             raise InvalidImageError(f"image {index}: {exc}", param=exc.param) from None
 
-    def _image_size(self, mm_processor_kwargs: dict[str, Any] | None) -> dict[str, int]:
-        """The image processor's ``size`` for one request: the engine's bounds, with the
-        request's ``mm_processor_kwargs`` on top (validated here, so the offline API and the
-        server refuse the same things)."""
-        overrides = check_mm_processor_kwargs(mm_processor_kwargs)
-        lo = overrides.get("min_pixels", self.min_pixels)
-        hi = overrides.get("max_pixels", self.max_pixels)
+    def _load_video(self, source: Any, index: int) -> tuple[list[Image.Image], float | None]:
+        """A clip's frames as RGB images of one size (the video processor stacks them)."""
+        clip = source if isinstance(source, VideoSource) else VideoSource(list(source))
+        if not clip.frames:
+            raise InvalidRequestError(f"video {index} has no frames")
+        frames = []
+        for k, src in enumerate(clip.frames):
+            try:
+                frames.append(load_image(src))
+            except InvalidImageError as exc:
+                raise InvalidImageError(f"video {index} frame {k}: {exc}", exc.param) from None
+        sizes = {f.size for f in frames}
+        if len(sizes) > 1:
+            raise InvalidImageError(
+                f"video {index}: all frames must have one size, got {sorted(sizes)}"
+            )
+        return frames, clip.fps
+
+    def _image_size(self, overrides: dict[str, int], lo: int, hi: int) -> dict[str, int]:
+        """The processor's ``size`` for one request: the engine's bounds, with the request's
+        ``mm_processor_kwargs`` (validated by :func:`check_mm_processor_kwargs`, so the
+        offline API and the server refuse the same things) on top."""
+        lo = overrides.get("min_pixels", lo)
+        hi = overrides.get("max_pixels", hi)
         if lo > hi:
             raise InvalidRequestError(
                 f"mm_processor_kwargs: min_pixels {lo} > max_pixels {hi} (a bound not given "
@@ -257,51 +347,103 @@ class InputProcessor:
         return {"shortest_edge": lo, "longest_edge": hi}
 
     def _process(
-        self, text: str, images: list[Image.Image], size: dict[str, int]
+        self,
+        text: str,
+        images: list[Image.Image],
+        size: dict[str, int],
+        videos: list[tuple[list[Image.Image], float | None]] | None = None,
+        video_size: dict[str, int] | None = None,
     ) -> ProcessedPrompt:
         if self.length_guard is not None:
             self.length_guard.check(text)
         # ``size`` goes to the image processor only (transformers 5 spelling of the bounds)
         kwargs: dict[str, Any] = {"images_kwargs": {"size": size}} if images else {}
+        if videos:
+            if self.video_token_id is None:
+                raise InvalidRequestError("this checkpoint takes no video input")
+            kwargs["videos_kwargs"] = self._videos_kwargs(videos, video_size)
         try:
-            enc = self.processor(text=[text], images=images or None, return_tensors="pt", **kwargs)
+            enc = self.processor(
+                text=[text],
+                images=images or None,
+                videos=[frames for frames, _ in videos] if videos else None,
+                return_tensors="pt",
+                **kwargs,
+            )
         except InvalidRequestError:
             raise
         except (ValueError, IndexError) as exc:  # e.g. placeholder count != image count
             raise InvalidRequestError(f"cannot process prompt: {exc}") from None
         ids = enc["input_ids"][0].tolist()
-        grids = enc.get("image_grid_thw")
-        pixels = enc.get("pixel_values")
-        return self._from_ids(text, ids, images, (pixels, grids))
+        mm = {
+            "image": (enc.get("pixel_values"), enc.get("image_grid_thw"), None),
+            "video": (
+                enc.get("pixel_values_videos"),
+                enc.get("video_grid_thw"),
+                enc.get("second_per_grid_ts"),
+            ),
+        }
+        return self._from_ids(text, ids, images, mm)
+
+    @staticmethod
+    def _videos_kwargs(videos, video_size) -> dict[str, Any]:
+        """The video processor's arguments: the frame size bounds and, where the caller knows
+        the rate its frames were sampled at, that rate (it sets Qwen2.5-VL's seconds per
+        temporal patch; without it the processor assumes 24 fps, as ``transformers`` does)."""
+        from transformers.video_utils import VideoMetadata
+
+        out: dict[str, Any] = {"size": video_size}
+        if any(fps is not None for _, fps in videos):
+            out["video_metadata"] = [
+                VideoMetadata(total_num_frames=len(frames), fps=fps) for frames, fps in videos
+            ]
+        return out
 
     def _from_ids(self, text, ids: list[int], images, mm) -> ProcessedPrompt:
         if not ids:
             raise EmptyPromptError("prompt is empty (tokenises to zero tokens)", param="messages")
-        runs = _placeholder_runs(ids, self.image_token_id)
-        image_inputs: list[ImageInput] = []
-        if runs:
-            pixels, grids = mm if mm else (None, None)
-            if grids is None or len(grids) != len(runs):
+        mm = mm or {}
+        items = self._media_items(ids, "image", self.image_token_id, mm.get("image"))
+        if self.video_token_id is not None:
+            items += self._media_items(ids, "video", self.video_token_id, mm.get("video"))
+        items.sort(key=lambda item: item.offset)
+        positions, delta = mrope_positions(ids, items, self.spatial_merge_size)
+        return ProcessedPrompt(text, ids, positions, delta, items)
+
+    def _media_items(self, ids: list[int], kind: str, token_id: int, mm) -> list[ImageInput]:
+        """One item per placeholder run of ``token_id``, with its slice of the pixels."""
+        runs = _placeholder_runs(ids, token_id)
+        if not runs:
+            return []
+        pixels, grids, seconds = mm if mm else (None, None, None)
+        if grids is None or len(grids) != len(runs):
+            raise InvalidRequestError(
+                f"prompt has {len(runs)} {kind} placeholder runs but "
+                f"{0 if grids is None else len(grids)} {kind}s"
+            )
+        patch_counts = grids.prod(-1).tolist()
+        offsets = [0, *itertools.accumulate(patch_counts)]
+        merge = self.spatial_merge_size**2
+        items = []
+        for k, (start, length) in enumerate(runs):
+            grid = tuple(int(x) for x in grids[k].tolist())
+            px = pixels[offsets[k] : offsets[k + 1]].contiguous()
+            if length != patch_counts[k] // merge:
                 raise InvalidRequestError(
-                    f"prompt has {len(runs)} image placeholder runs but "
-                    f"{0 if grids is None else len(grids)} images"
+                    f"{kind} {k}: {length} placeholder tokens but the {kind} has "
+                    f"{patch_counts[k] // merge} embeddings"
                 )
-            patch_counts = grids.prod(-1).tolist()
-            offsets = [0, *itertools.accumulate(patch_counts)]
-            merge = self.spatial_merge_size**2
-            for k, (start, length) in enumerate(runs):
-                grid = tuple(int(x) for x in grids[k].tolist())
-                px = pixels[offsets[k] : offsets[k + 1]].contiguous()
-                if length != patch_counts[k] // merge:
-                    raise InvalidRequestError(
-                        f"image {k}: {length} placeholder tokens but the image has "
-                        f"{patch_counts[k] // merge} embeddings"
-                    )
-                digest = hashlib.sha256(px.numpy().tobytes())
-                digest.update(repr(grid).encode())
-                image_inputs.append(ImageInput(digest.hexdigest(), start, length, px, grid))
-        positions, delta = mrope_positions(ids, image_inputs, self.spatial_merge_size)
-        return ProcessedPrompt(text, ids, positions, delta, image_inputs)
+            digest = hashlib.sha256(px.numpy().tobytes())
+            digest.update(repr(grid).encode())
+            step = 1.0
+            if kind == "video" and self.tokens_per_second is not None:
+                # float32 as in transformers: tokens_per_second * second_per_grid_ts[k]
+                secs = seconds[k] if seconds is not None else torch.tensor(1.0)
+                step = float(self.tokens_per_second * secs.to(torch.float32))
+            items.append(
+                ImageInput(digest.hexdigest(), start, length, px, grid, kind, temporal_step=step)
+            )
+        return items
 
 
 def _placeholder_runs(ids: list[int], token_id: int) -> list[tuple[int, int]]:
@@ -318,13 +460,22 @@ def _placeholder_runs(ids: list[int], token_id: int) -> list[tuple[int, int]]:
     return runs
 
 
+def _is_clip_list(videos: Any) -> bool:
+    """``multi_modal_data["video"]`` as a list of clips (not one clip's list of frames)."""
+    return isinstance(videos, list) and all(
+        isinstance(v, VideoSource | list | tuple) for v in videos
+    )
+
+
 def mrope_positions(
     ids: list[int], images: list[ImageInput], spatial_merge_size: int
 ) -> tuple[torch.Tensor, int]:
-    """Qwen2-VL 3-D positions: text advances all axes by one; an image's tokens take
+    """Qwen2-VL 3-D positions: text advances all axes by one; an image's or clip's tokens take
     (t, row, col) offsets from the position where it starts, and the text after it resumes at
-    ``start + max(rows, cols)``. Returns positions [3, len(ids)] and the delta for generated
-    tokens (``position = index + delta``)."""
+    ``start + max(rows, cols)`` (whatever the clip's length: transformers' ``get_rope_index``).
+    A clip's temporal offset of patch ``i`` is ``int(i * temporal_step)`` in float32.
+    Returns positions [3, len(ids)] and the delta for generated tokens
+    (``position = index + delta``; from the largest position, which a clip's t may set)."""
     chunks: list[torch.Tensor] = []
     cursor = 0  # token index
     pos = 0  # next text position
@@ -335,9 +486,10 @@ def mrope_positions(
             pos += n
         t, h, w = im.grid_thw
         h, w = h // spatial_merge_size, w // spatial_merge_size
-        tt, hh, ww = torch.meshgrid(
-            torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"
-        )
+        steps = torch.arange(t)
+        if im.temporal_step != 1.0:
+            steps = (steps * torch.tensor(im.temporal_step, dtype=torch.float32)).long()
+        tt, hh, ww = torch.meshgrid(steps, torch.arange(h), torch.arange(w), indexing="ij")
         chunks.append(torch.stack([tt, hh, ww]).reshape(3, -1) + pos)
         pos += max(h, w)
         cursor = im.offset + im.num_tokens

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.outputs import RequestMetrics
+from engine.outputs import RequestMetrics, TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -50,13 +51,19 @@ class Priority(enum.IntEnum):
 
 @dataclass
 class ImageInput:
-    """One image of a prompt: preprocessed pixels and where its placeholder tokens sit."""
+    """One image or video clip of a prompt: preprocessed pixels and where its placeholder
+    tokens sit. A clip is the same thing with ``grid_thw[0] > 1`` (one temporal patch per two
+    frames), so the scheduler's encoder budget and cache treat both alike."""
 
     content_hash: str  # of the preprocessed pixels: identical frames share encoder-cache entries
     offset: int  # index of the first placeholder token in the prompt
     num_tokens: int  # number of placeholder tokens (= embeddings the tower produces)
     pixel_values: torch.Tensor  # [patches, C*T*P*P]
     grid_thw: tuple[int, int, int]
+    kind: str = "image"  # "image" | "video"
+    # M-RoPE temporal position step per temporal patch, as a float32 value: 1 for images and
+    # Qwen2-VL clips, tokens_per_second * seconds per temporal patch for Qwen2.5-VL clips
+    temporal_step: float = 1.0
 
 
 @dataclass
@@ -96,6 +103,7 @@ class Request:
         self.deadline = None if deadline_s is None else self.arrival_time + deadline_s
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
+        self.output_logprobs: list[TokenLogprob] = []  # one per output token, if asked
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.stop_reason: int | str | None = None
@@ -103,6 +111,8 @@ class Request:
         self.block_hashes: list[bytes] = []  # hash chain of full blocks (prefix caching)
         self.deferred_steps = 0  # consecutive steps its prefill was held back by the ITL target
         self.generator: torch.Generator | None = None
+        # constrained decoding: the matcher, set at admission (engine/structured_output.py)
+        self.grammar: GrammarState | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
 

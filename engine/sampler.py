@@ -1,10 +1,27 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeded generators."""
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeded generators.
+
+Order of work per row, as vLLM's V1 sampler does it: logprobs are taken from the model's raw
+logits (what the model believes, not what the request's processing made of it); then banned
+tokens (min_tokens), ``logit_bias`` and the penalties are applied; then greedy picks the best
+token or temperature, top-k and top-p shape the distribution it is drawn from.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
 import torch
 
+from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # per row: the sampled token's logprob and its top alternatives, or None when not asked
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
 
 def sample(
@@ -12,11 +29,24 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     banned: list[list[int]],
-) -> list[int]:
-    """logits: [B, V] float32. ``banned[i]``: token ids row ``i`` may not pick (min_tokens)."""
+    histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+) -> SamplerOutput:
+    """logits: [B, V] float32, modified in place. ``banned[i]``: token ids row ``i`` may not
+    pick (min_tokens). ``histories[i]``: row ``i``'s (prompt, generated) token ids, needed
+    only by rows with penalties."""
+    logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    raw_logprobs = torch.log_softmax(logits[logprob_rows].float(), dim=-1) if logprob_rows else None
     for i, ids in enumerate(banned):
         if ids:
             logits[i, ids] = float("-inf")
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            apply_logit_bias(logits[i], p.logit_bias)
+        if p.has_penalties:
+            if histories is None:
+                raise ValueError("penalties need the rows' token histories")
+            prompt_ids, output_ids = histories[i]
+            apply_penalties(logits[i], p, prompt_ids, output_ids)
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     result = [0] * len(params)
     if greedy_rows:
@@ -29,7 +59,54 @@ def sample(
         rows = logits[sampled_rows].float().cpu()
         for row, i in zip(rows, sampled_rows, strict=True):
             result[i] = _sample_row(row, params[i], generators[i])
-    return result
+    logprobs: list[TokenLogprob | None] = [None] * len(params)
+    if raw_logprobs is not None:
+        for row, i in zip(raw_logprobs.cpu(), logprob_rows, strict=True):
+            logprobs[i] = token_logprob(row, result[i], params[i].logprobs or 0)
+    return SamplerOutput(result, logprobs)
+
+
+def apply_logit_bias(row: torch.Tensor, bias: dict[int, float]) -> None:
+    ids = torch.tensor(list(bias), dtype=torch.long, device=row.device)
+    row.index_add_(0, ids, torch.tensor(list(bias.values()), dtype=row.dtype, device=row.device))
+
+
+def apply_penalties(
+    row: torch.Tensor,
+    p: SamplingParams,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+) -> None:
+    """OpenAI's presence/frequency penalties over the generated tokens (subtracted from the
+    logit), and the multiplicative repetition penalty over prompt and generated tokens
+    (a positive logit divided by it, a negative one multiplied), as vLLM applies them."""
+    device = row.device
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(list(prompt_ids) + list(output_ids), dtype=torch.long, device=device)
+        seen = seen.unique()
+        if seen.numel():
+            values = row[seen]
+            row[seen] = torch.where(
+                values > 0, values / p.repetition_penalty, values * p.repetition_penalty
+            )
+    if output_ids and (p.presence_penalty or p.frequency_penalty):
+        ids, counts = torch.tensor(list(output_ids), dtype=torch.long, device=device).unique(
+            return_counts=True
+        )
+        penalty = counts.to(row.dtype) * p.frequency_penalty + p.presence_penalty
+        row.index_add_(0, ids, -penalty)
+
+
+def token_logprob(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """The sampled token's logprob and rank (1 = the model's most likely token), and the
+    ``top`` most likely tokens, best first."""
+    chosen = float(logprobs[token])
+    rank = int((logprobs > chosen).sum()) + 1
+    alternatives: list[tuple[int, float]] = []
+    if top > 0:
+        values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1]))
+        alternatives = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprob(token, chosen, rank, alternatives)
 
 
 # top-p without top-k looks for the nucleus among this many best tokens first, widening 8x

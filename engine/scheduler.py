@@ -30,6 +30,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.request import Priority, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.step_budget import StepBudget, StepLimits
+from engine.structured_output import GrammarState
 
 
 @dataclass
@@ -49,6 +50,8 @@ class ScheduledChunk:
     params: SamplingParams
     generator: torch.Generator | None
     output_token_ids: list[int]  # tokens generated so far (for min_tokens / penalties)
+    prompt_token_ids: list[int] = field(default_factory=list)  # for the repetition penalty
+    grammar: GrammarState | None = None  # constrained decoding: masks this chunk's sampled row
 
 
 @dataclass
@@ -428,6 +431,8 @@ class Scheduler:
                 params=req.params,
                 generator=req.generator,
                 output_token_ids=req.output_token_ids,
+                prompt_token_ids=req.prompt_token_ids,
+                grammar=req.grammar,
             )
         )
 
@@ -464,6 +469,8 @@ class Scheduler:
                 continue
             token = sampled[chunk.request_id]
             req.output_token_ids.append(token)
+            if req.grammar is not None:  # the one place a constrained request accepts a token
+                req.grammar.accept(token)
             m = req.metrics
             if m.first_token_time is None:
                 m.first_token_time = now
@@ -484,6 +491,8 @@ class Scheduler:
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         params = req.params
         n_out = len(req.output_token_ids)
+        if req.grammar is not None and req.grammar.terminated:
+            return RequestStatus.FINISHED_STOPPED  # the grammar is complete (even with ignore_eos)
         if n_out >= params.min_tokens:
             if not params.ignore_eos and token in req.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED

@@ -14,6 +14,7 @@ from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -29,8 +30,10 @@ from vision_serve.protocol import (
     ModelCard,
     ModelList,
 )
+from vision_serve.sampling_defaults import SamplingDefaults
 from vision_serve.serving import OpenAIServing
 from vision_serve.settings import ServerSettings
+from vision_serve.tokenization import DetokenizeResponse, TokenizeResponse, TokenizeServing
 
 
 class BodyLimitMiddleware:
@@ -78,7 +81,15 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     served = settings.served_model_name or [engine.model_name]
     metrics = ServerMetrics(engine)
     media = MediaLoader(settings)
-    serving = OpenAIServing(engine, served, metrics, media, log_requests=settings.log_requests)
+    serving = OpenAIServing(
+        engine,
+        served,
+        metrics,
+        media,
+        log_requests=settings.log_requests,
+        sampling_defaults=SamplingDefaults.for_engine(engine),
+    )
+    tokenizing = TokenizeServing(serving)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -95,6 +106,15 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     app.state.serving = serving
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    # outermost (added last): preflights are answered before auth, and every answer, a 401 or
+    # a 413 included, carries the CORS headers a browser needs to read it
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=settings.allowed_origins,
+        allow_methods=settings.allowed_methods,
+        allow_headers=settings.allowed_headers,
+        allow_credentials=settings.allow_credentials,
+    )
 
     # OpenAI answers a missing or wrong key with type invalid_request_error; so do we
     key_error = partial(APIError, type="invalid_request_error")
@@ -115,6 +135,15 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         return ModelList(data=[ModelCard(id=name, max_model_len=max_len) for name in served])
 
     app.include_router(v1)
+
+    # vLLM serves these at the root, not under /v1; same key rule
+    @app.post("/tokenize", dependencies=[require_key])
+    async def tokenize(request: Request) -> TokenizeResponse:
+        return await tokenizing.tokenize(request)
+
+    @app.post("/detokenize", dependencies=[require_key])
+    async def detokenize(request: Request) -> DetokenizeResponse:
+        return await tokenizing.detokenize(request)
 
     @app.get(
         "/openapi.json",

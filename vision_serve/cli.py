@@ -17,6 +17,8 @@ SUBCOMMANDS: dict[str, str] = {
     "serve": "vision_serve.server_cli:add_serve_cli",
     "pipeline": "pipelines.cli:add_pipeline_cli",
     "describe": "pipelines.cli:add_describe_cli",
+    "make-detector": "pipelines.cli:add_make_detector_cli",
+    "export-detector": "pipelines.cli:add_export_detector_cli",
     "ui": "pipelines.events.cli:add_ui_cli",
     "notify": "pipelines.notify.cli:add_notify_cli",
 }

@@ -7,6 +7,10 @@ make the server fetch internal addresses); ``file://`` only under
 open, is refused. Images are decoded here (in a worker thread) so that a broken image becomes
 a 400 naming the exact message part, and the engine receives ready ``PIL`` images.
 
+Video parts arrive as a list of frame URLs (each loaded like an image) or as one video file
+(``video_url``), whose frames OpenCV samples at ``--video-fps``, at most ``--max-video-frames``.
+Every frame counts as an image against the doors below.
+
 A request's images pass three doors, cheapest first, so that refusing costs less than the
 attack: their count (before anything is fetched), their declared pixels per image and per
 request (read from the file headers, before any pixel is decoded: a decompression bomb is a
@@ -22,7 +26,9 @@ import io
 import ipaddress
 import stat
 import struct
+import tempfile
 import urllib.parse
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -32,6 +38,34 @@ from vision_serve.errors import bad_request
 from vision_serve.settings import ServerSettings
 
 ALLOWED_MIME = {"image/jpeg", "image/jpg", "image/png", "image/webp"}
+VIDEO_MIME = {"video/mp4", "video/webm", "video/quicktime", "video/x-matroska", "video/x-msvideo"}
+
+
+@dataclass
+class ClipSource:
+    """One video part as sent: frame URLs, or one video file URL (then ``frames`` is None)."""
+
+    param: str
+    frames: list[str] | None = None
+    url: str | None = None
+    fps: float | None = None
+
+
+@dataclass
+class Clip:
+    """A decoded clip for the engine: its frames and the rate they were sampled at."""
+
+    frames: list[Image.Image]
+    fps: float | None
+
+
+@dataclass
+class _ProbedVideo:
+    data: bytes
+    width: int
+    height: int
+    indices: list[int]  # frames to keep
+    fps: float  # rate of the kept frames
 
 
 class MediaLoader:
@@ -61,18 +95,84 @@ class MediaLoader:
 
         All sources are read and all headers checked before the first decode, so a request
         that would be refused for its total pixels never costs a decode."""
+        images, _ = await self.load_media(items, [], param)
+        return images
+
+    async def load_media(
+        self, items: list[tuple[str, str]], clips: list[ClipSource], param: str = "messages"
+    ) -> tuple[list[Image.Image], list[Clip]]:
+        """A request's images and video clips, every frame through the same doors as an image."""
+        max_frames = self.settings.max_video_frames
+        for clip in clips:
+            if clip.frames is not None and not clip.frames:
+                raise bad_request("a video needs at least one frame", param=f"{clip.param}.video")
+            if clip.frames is not None and len(clip.frames) > max_frames:
+                raise bad_request(
+                    f"a video may carry at most {max_frames} frames; this one has "
+                    f"{len(clip.frames)} (see --max-video-frames)",
+                    param=f"{clip.param}.video",
+                    code="too_many_frames",
+                )
+        frame_items = [
+            (url, f"{clip.param}.video[{k}]")
+            for clip in clips
+            if clip.frames is not None
+            for k, url in enumerate(clip.frames)
+        ]
+        files = [clip for clip in clips if clip.frames is None]
+        self._check_count(len(items) + len(frame_items) + len(files), param)
+        probed = await asyncio.gather(*(self._probe_video_file(clip) for clip in files))
+        self._check_count(
+            len(items) + len(frame_items) + sum(len(v.indices) for v in probed), param
+        )
+        all_items = items + frame_items
+        payloads = await asyncio.gather(*(self._read(url, p) for url, p in all_items))
+        headers = [probe_image(data, p) for data, (_, p) in zip(payloads, all_items, strict=True)]
+        headers += [
+            (video.width, video.height)
+            for clip, video in zip(files, probed, strict=True)
+            for _ in video.indices
+        ]
+        params = [p for _, p in all_items]
+        params += [
+            f"{clip.param}.video_url"
+            for clip, video in zip(files, probed, strict=True)
+            for _ in video.indices
+        ]
+        self._check_pixels(headers, params, param)
+        decoded = await asyncio.gather(
+            *(self._decode(data, p) for data, (_, p) in zip(payloads, all_items, strict=True)),
+            *(
+                self._decode_video(video, f"{clip.param}.video_url")
+                for clip, video in zip(files, probed, strict=True)
+            ),
+        )
+        images, rest = list(decoded[: len(items)]), decoded[len(items) :]
+        frames, file_frames = list(rest[: len(frame_items)]), iter(rest[len(frame_items) :])
+        file_rates = iter(video.fps for video in probed)
+        out: list[Clip] = []
+        for clip in clips:
+            if clip.frames is None:
+                out.append(Clip(next(file_frames), next(file_rates)))
+            else:
+                n = len(clip.frames)
+                out.append(Clip(frames[:n], clip.fps))
+                frames = frames[n:]
+        return images, out
+
+    def _check_count(self, count: int, param: str) -> None:
         limit = self.settings.max_images_per_request
-        if len(items) > limit:
+        if count > limit:
             raise bad_request(
-                f"a request may carry at most {limit} images; this one has {len(items)} "
-                "(see --max-images-per-request)",
+                f"a request may carry at most {limit} images (video frames count as images); "
+                f"this one has {count} (see --max-images-per-request)",
                 param=param,
                 code="too_many_images",
             )
-        payloads = await asyncio.gather(*(self._read(url, p) for url, p in items))
-        headers = [probe_image(data, p) for data, (_, p) in zip(payloads, items, strict=True)]
+
+    def _check_pixels(self, headers: list[tuple[int, int]], params: list[str], param: str) -> None:
         total = 0
-        for (width, height), (_, p) in zip(headers, items, strict=True):
+        for (width, height), p in zip(headers, params, strict=True):
             pixels = width * height
             if pixels > self.settings.max_image_pixels:
                 raise bad_request(
@@ -89,20 +189,31 @@ class MediaLoader:
                 param=param,
                 code="image_too_large",
             )
-        return list(
-            await asyncio.gather(
-                *(self._decode(data, p) for data, (_, p) in zip(payloads, items, strict=True))
+
+    async def _probe_video_file(self, clip: ClipSource) -> _ProbedVideo:
+        param = f"{clip.param}.video_url"
+        data = await self._read(clip.url or "", param, VIDEO_MIME)
+        async with self._decode_slots:
+            return await asyncio.to_thread(
+                probe_video,
+                data,
+                param,
+                self.settings.video_fps,
+                self.settings.max_video_frames,
             )
-        )
+
+    async def _decode_video(self, video: _ProbedVideo, param: str) -> list[Image.Image]:
+        async with self._decode_slots:
+            return await asyncio.to_thread(decode_video, video, param)
 
     async def _decode(self, data: bytes, param: str) -> Image.Image:
         async with self._decode_slots:
             return await asyncio.to_thread(decode_image, data, param)
 
-    async def _read(self, url: str, param: str) -> bytes:
+    async def _read(self, url: str, param: str, mime: set[str] = ALLOWED_MIME) -> bytes:
         scheme = url.split(":", 1)[0].lower() if ":" in url else ""
         if scheme == "data":
-            return self._decode_data_url(url, param)
+            return self._decode_data_url(url, param, mime)
         if scheme in ("http", "https"):
             return await self._fetch(url, param)
         if scheme == "file":
@@ -116,17 +227,19 @@ class MediaLoader:
 
     # -- sources -------------------------------------------------------------------------------
 
-    def _decode_data_url(self, url: str, param: str) -> bytes:
+    def _decode_data_url(self, url: str, param: str, allowed: set[str] = ALLOWED_MIME) -> bytes:
         header, sep, payload = url.partition(",")
         if not sep:
             raise bad_request("malformed data URL (no ',')", param=param, code="invalid_image_url")
         meta = header[len("data:") :].split(";")
         mime = meta[0].strip().lower()
-        if mime not in ALLOWED_MIME:
+        if mime not in allowed:
+            video = allowed is VIDEO_MIME
             raise bad_request(
-                f"unsupported image type {mime or '(none)'!r}; use JPEG, PNG or WebP",
+                f"unsupported {'video' if video else 'image'} type {mime or '(none)'!r}; use "
+                + (", ".join(sorted(VIDEO_MIME)) if video else "JPEG, PNG or WebP"),
                 param=param,
-                code="invalid_image",
+                code="invalid_video" if video else "invalid_image",
             )
         if "base64" not in [m.strip().lower() for m in meta[1:]]:
             raise bad_request("data URL must be base64-encoded", param=param, code="invalid_image")
@@ -329,3 +442,79 @@ def _undecodable(exc: BaseException, param: str) -> Exception:
     return bad_request(
         f"image could not be decoded ({type(exc).__name__})", param=param, code="invalid_image"
     )
+
+
+def sample_indices(total: int, source_fps: float, fps: float, max_frames: int) -> list[int]:
+    """Frames to keep from a ``total``-frame video: one every ``source_fps / fps`` frames,
+    thinned evenly to ``max_frames`` when the clip is longer (the whole clip stays covered)."""
+    step = max(1.0, source_fps / fps)
+    picks = []
+    k = 0.0
+    while round(k) < total:
+        picks.append(round(k))
+        k += step
+    if len(picks) > max_frames:
+        picks = [picks[i * len(picks) // max_frames] for i in range(max_frames)]
+    return picks
+
+
+def _open_capture(data: bytes):
+    """OpenCV reads video from a path only: the bytes go to a temporary file first."""
+    import cv2
+
+    tmp = tempfile.NamedTemporaryFile(suffix=".video")  # noqa: SIM115 - closed by the caller
+    tmp.write(data)
+    tmp.flush()
+    cap = cv2.VideoCapture(tmp.name)
+    return tmp, cap
+
+
+def probe_video(data: bytes, param: str, fps: float, max_frames: int) -> _ProbedVideo:
+    """The container's declared size and frame count, and the frames to keep: no frame is
+    decoded here, so the pixel doors apply before decoding as for images."""
+    import cv2
+
+    tmp, cap = _open_capture(data)
+    try:
+        if not cap.isOpened():
+            raise bad_request("video could not be opened", param=param, code="invalid_video")
+        width = int(cap.get(cv2.CAP_PROP_FRAME_WIDTH))
+        height = int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT))
+        total = int(cap.get(cv2.CAP_PROP_FRAME_COUNT))
+        source_fps = float(cap.get(cv2.CAP_PROP_FPS)) or 0.0
+    finally:
+        cap.release()
+        tmp.close()
+    if width < 1 or height < 1 or total < 1 or source_fps <= 0:
+        raise bad_request("video has no frames or no frame rate", param=param, code="invalid_video")
+    indices = sample_indices(total, source_fps, fps, max_frames)
+    # the rate of the kept frames, as transformers' VideoMetadata.sampled_fps computes it
+    return _ProbedVideo(data, width, height, indices, len(indices) / total * source_fps)
+
+
+def decode_video(video: _ProbedVideo, param: str) -> list[Image.Image]:
+    """Decode the kept frames (sequential reads: seeking is unreliable across codecs)."""
+    import cv2
+
+    tmp, cap = _open_capture(video.data)
+    frames: list[Image.Image] = []
+    try:
+        wanted, index = set(video.indices), 0
+        last = max(video.indices)
+        while index <= last:
+            ok, frame = cap.read()
+            if not ok:
+                break
+            if index in wanted:
+                if frame.shape[:2] != (video.height, video.width):
+                    raise bad_request(
+                        "video frame size differs from its header", param, code="invalid_video"
+                    )
+                frames.append(Image.fromarray(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB)))
+            index += 1
+    finally:
+        cap.release()
+        tmp.close()
+    if not frames:
+        raise bad_request("video frames could not be decoded", param=param, code="invalid_video")
+    return frames

@@ -3,9 +3,9 @@
 Requests accept OpenAI's fields plus the extra-body fields vLLM accepts (``top_k``,
 ``min_tokens``, ``ignore_eos``, ``mm_processor_kwargs``) and our scheduling fields
 (``priority``, ``max_queue_seconds``).
-Fields that would change the answer and that we do not implement (tools, logprobs, penalties)
-are refused with a 400 instead of being silently ignored; unknown fields are ignored, as
-OpenAI-compatible servers commonly do.
+Fields that would change the answer and that we do not implement (``echo``, ``suffix``,
+``best_of``) are refused with a 400 instead of being silently ignored; unknown fields are
+ignored, as OpenAI-compatible servers commonly do.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from vision_serve.errors import bad_request
 
 Priority = Literal["interactive", "batch"]
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit; the length of each is checked by SamplingParams
+# choices per request: each is a full decode (sharing the prompt's KV), so bounded like a batch
+MAX_CHOICES = 16
 
 
 # ---------------------------------------------------------------------------------------------
@@ -43,6 +45,22 @@ class ImagePart(BaseModel):
     image_url: ImageURL | str
 
 
+class VideoURLPart(BaseModel):
+    """vLLM's video part: a video file (data:, allowed http(s) or file:// URL)."""
+
+    type: Literal["video_url"]
+    video_url: ImageURL | str
+
+
+class VideoPart(BaseModel):
+    """A clip as a list of frames (image URLs), Qwen's own API shape; ``fps`` is the rate
+    they were taken at (it spaces Qwen2.5-VL's temporal positions)."""
+
+    type: Literal["video"]
+    video: list[str]
+    fps: float | None = Field(default=None, gt=0)
+
+
 class OtherPart(BaseModel):
     """Any other part type (input_audio, file ...): parsed so we can refuse it by name."""
 
@@ -50,7 +68,7 @@ class OtherPart(BaseModel):
     type: str
 
 
-ContentPart = TextPart | ImagePart | OtherPart
+ContentPart = TextPart | ImagePart | VideoURLPart | VideoPart | OtherPart
 
 
 class ChatMessage(BaseModel):
@@ -115,14 +133,15 @@ class SamplingFields(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES, strict=True)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM extra-body sampling fields
+    repetition_penalty: float | None = None
     top_k: int | None = None
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
@@ -131,6 +150,13 @@ class SamplingFields(BaseModel):
     max_queue_seconds: float | None = Field(default=None, gt=0)
     # vLLM extra body: image size bounds for this request's images only
     mm_processor_kwargs: MMProcessorKwargs | None = None
+    # structured output (vision_serve/structured_output.py): OpenAI's response_format and
+    # vLLM's extra-body fields; at most one of them per request
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -149,13 +175,6 @@ class SamplingFields(BaseModel):
 
     def check_supported(self) -> None:
         """Refuse what we would otherwise get silently wrong."""
-        if self.n != 1:
-            raise bad_request("only n=1 is supported", param="n", code="unsupported_value")
-        if self.presence_penalty or self.frequency_penalty:
-            param = "presence_penalty" if self.presence_penalty else "frequency_penalty"
-            raise bad_request(f"{param} is not supported", param=param, code="unsupported_value")
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", param="logit_bias")
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_SEQUENCES:
             raise bad_request(f"at most {MAX_STOP_SEQUENCES} stop sequences", param="stop")
 
@@ -163,37 +182,55 @@ class SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def token_logit_bias(self) -> dict[int, float] | None:
+        """OpenAI sends token ids as JSON object keys (strings); a key that is not an integer
+        is a 400 rather than a bias silently applied to nothing."""
+        if not self.logit_bias:
+            return None
+        out: dict[int, float] = {}
+        for key, value in self.logit_bias.items():
+            try:
+                out[int(key)] = value
+            except ValueError:
+                raise bad_request(
+                    f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+                ) from None
+        return out
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """How many alternatives per token the engine should return (None: no logprobs)."""
+        return None
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: Any = None  # checked by vision_serve.tool_calls.plan_tools
+    parallel_tool_calls: bool | None = None  # False: at most one call (tool_choice required)
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs:
-            raise bad_request("logprobs are not supported", param="logprobs")
-        if self.tools:
-            raise bad_request("tools are not supported", param="tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice is not supported", param="tool_choice")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise bad_request("only response_format type 'text' is supported", "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
 
     @property
     def output_limit(self) -> int | None:
         """``max_completion_tokens`` is OpenAI's newer name; it wins when both are given."""
         return self.max_completion_tokens or self.max_tokens
 
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
     best_of: int | None = None
     suffix: str | None = None
 
@@ -201,8 +238,6 @@ class CompletionRequest(SamplingFields):
         super().check_supported()
         if self.echo:
             raise bad_request("echo is not supported", param="echo")
-        if self.logprobs:
-            raise bad_request("logprobs are not supported", param="logprobs")
         if self.best_of not in (None, 1):
             raise bad_request("only best_of=1 is supported", param="best_of")
         if self.suffix:
@@ -222,6 +257,10 @@ class CompletionRequest(SamplingFields):
     @property
     def output_limit(self) -> int | None:
         return self.max_tokens if self.max_tokens is not None else 16  # OpenAI's default
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,14 +285,15 @@ class Usage(BaseModel):
 
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: None = None
+    tool_calls: list[dict[str, Any]] | None = None  # vision_serve.tool_calls
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: ResponseMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # vision_serve.logprobs.chat_logprobs
     finish_reason: FinishReason
 
 
@@ -270,12 +310,13 @@ class ChatCompletion(BaseModel):
 class ChoiceDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChunkChoice(BaseModel):
     index: int = 0
     delta: ChoiceDelta
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -292,7 +333,7 @@ class ChatCompletionChunk(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # vision_serve.logprobs.completion_logprobs
     finish_reason: FinishReason | None = None
 
 

@@ -47,8 +47,20 @@ _SERVER_FLAGS: dict[str, dict[str, Any]] = {
     "max_images_per_request": {"type": int, "help": "images one request may carry (400 above)"},
     "max_image_pixels": {"type": int, "help": "pixels one image may have (400 above)"},
     "max_request_pixels": {"type": int, "help": "pixels all images of a request may have"},
+    "max_video_frames": {"type": int, "help": "frames one video part may carry or be sampled to"},
+    "video_fps": {"type": float, "help": "rate frames are sampled from a video_url file"},
     "max_concurrent_image_decodes": {"type": int, "help": "images decoded at once, server-wide"},
     "max_request_body_mb": {"type": float, "help": "largest request body (413 above)"},
+    "allowed_origins": {
+        "nargs": "+",
+        "help": "CORS origins browsers may call from (vLLM's flag; a JSON list works too)",
+    },
+    "allowed_methods": {"nargs": "+", "help": "CORS methods allowed"},
+    "allowed_headers": {"nargs": "+", "help": "CORS request headers allowed"},
+    "allow_credentials": {
+        "action": argparse.BooleanOptionalAction,
+        "help": "CORS: let browsers send cookies/credentials (default off)",
+    },
     "graceful_shutdown_s": {"type": float, "help": "seconds to drain streams on shutdown"},
     "log_level": {"help": "debug | info | warning | error"},
     "log_requests": {
@@ -116,6 +128,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from engine import AsyncEngine
     from engine.config import engine_args_from_namespace
+    from engine.generation_config import GenerationConfigError
+    from engine.model_source import ModelSourceError
     from vision_serve.app import create_app
 
     settings = settings_from_namespace(args)
@@ -126,7 +140,12 @@ def run_serve(args: argparse.Namespace) -> int:
     engine_args = engine_args_from_namespace(args)
     logger.info("loading model %s (pid %d) ...", engine_args.model, os.getpid())
     t0 = time.monotonic()
-    engine = AsyncEngine(engine_args)
+    try:
+        # a Hub id is fetched here; what cannot be had is one clear line, not a traceback
+        engine = AsyncEngine(engine_args)
+    except ModelSourceError as exc:
+        logger.error("%s", exc)
+        return 2
     logger.info(
         "model %s loaded in %.1fs; max_model_len=%s",
         engine.model_name,
@@ -135,7 +154,11 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     died = threading.Event()
     try:
-        app = create_app(engine, settings)
+        try:
+            app = create_app(engine, settings)
+        except GenerationConfigError as exc:
+            logger.error("%s", exc)
+            return 2
         config = uvicorn.Config(
             app,
             host=settings.host,

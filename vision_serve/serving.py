@@ -1,7 +1,10 @@
 """Chat and text completions: OpenAI request -> engine request -> OpenAI response or SSE stream.
 
 One code path per endpoint shape, shared driving of the engine stream (``_drive``), which is
-where per-request timings are taken. Whatever way a request ends (finished, expired, client gone,
+where per-request timings are taken. ``n`` choices are ``n`` engine requests of one
+preprocessed prompt; the first is queued alone until its prompt is computed, so the others
+find its KV blocks in the prefix cache (and its images in the encoder cache) instead of
+prefilling the same prompt ``n`` times. Whatever way a request ends (finished, expired, client gone,
 server error) it is logged once and, if it never finished, aborted in the engine so that its KV
 blocks return to the pool.
 """
@@ -9,6 +12,7 @@ blocks return to the pool.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -21,8 +25,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputsParams
 from vision_serve.errors import APIError, bad_request, expired_error, from_engine_error
-from vision_serve.media import MediaLoader
+from vision_serve.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from vision_serve.media import ClipSource, MediaLoader
 from vision_serve.metrics import RequestRecord, ServerMetrics, fill_engine_timings
 from vision_serve.protocol import (
     ChatChoice,
@@ -40,7 +46,13 @@ from vision_serve.protocol import (
     SamplingFields,
     TextPart,
     Usage,
+    VideoPart,
+    VideoURLPart,
 )
+from vision_serve.sampling_defaults import SamplingDefaults
+from vision_serve.structured_output import structured_outputs_for
+from vision_serve.tool_calls import ToolCallStreamer, ToolPlan, plan_tools, read_output
+from vision_serve.tool_calls import template_message as tool_template_message
 
 logger = logging.getLogger("vision_serve.serving")
 
@@ -62,13 +74,25 @@ class OpenAIServing:
         metrics: ServerMetrics,
         media: MediaLoader,
         log_requests: bool = True,
+        sampling_defaults: SamplingDefaults | None = None,
     ) -> None:
         self.engine = engine
+        # the checkpoint's generation_config.json defaults (--generation-config)
+        self.sampling_defaults = sampling_defaults or SamplingDefaults({})
         self.served_model_names = served_model_names
         self.metrics = metrics
         self.media = media
         self.log_requests = log_requests
         self._pending: set[asyncio.Task[None]] = set()
+        self._token_texts: TokenTexts | None = None
+
+    @property
+    def token_texts(self) -> TokenTexts:
+        """Token id -> text and bytes, for logprobs (built on first use: the engine's
+        tokenizer, shared by every request)."""
+        if self._token_texts is None:
+            self._token_texts = TokenTexts(self.engine.tokenizer)
+        return self._token_texts
 
     @property
     def model_name(self) -> str:
@@ -89,15 +113,18 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         req.check_supported()
-        params = _sampling_params(req, req.output_limit)
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        params = self.sampling_defaults.apply(
+            req, _sampling_params(req, req.output_limit, plan.constraint)
+        )
         messages = await self._engine_messages(req.messages)
-        inputs = _engine_inputs("messages", messages, req)
+        inputs = _with_tools(_engine_inputs("messages", messages, req), plan)
         return await self._serve(req, raw, "chat", inputs, params)
 
     async def completion(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         req.check_supported()
-        params = _sampling_params(req, req.output_limit)
+        params = self.sampling_defaults.apply(req, _sampling_params(req, req.output_limit))
         prompt = req.prompt_text()
         inputs = _engine_inputs("prompt", prompt, req)
         return await self._serve(req, raw, "completions", inputs, params)
@@ -125,13 +152,7 @@ class OpenAIServing:
             user=req.user,
         )
         try:
-            stream = await self.engine.add_request(
-                request_id,
-                inputs,
-                params,
-                priority=req.priority,
-                deadline_s=req.max_queue_seconds,
-            )
+            streams = await self._queue_choices(request_id, inputs, params, req)
         except Exception as exc:
             err = from_engine_error(exc)
             if err.status == 500:
@@ -142,74 +163,149 @@ class OpenAIServing:
 
         response_id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + request_id
         if req.stream:
-            body = self._stream(stream, req, endpoint, response_id, record, arrival)
+            body = self._stream(streams, req, endpoint, response_id, record, arrival)
             return StreamingResponse(
                 body,
                 media_type="text/event-stream",
                 headers={"cache-control": "no-cache", "x-request-id": record.header_id},
             )
-        return await self._complete(stream, raw, endpoint, response_id, record, arrival)
+        return await self._complete(streams, raw, req, endpoint, response_id, record, arrival)
+
+    async def _queue_choices(
+        self,
+        request_id: str,
+        inputs: Any,
+        params: SamplingParams,
+        req: SamplingFields,
+    ) -> list[AsyncIterator[Any]]:
+        """One engine request per choice. With a seed, choice ``i`` samples with ``seed + i``
+        (vLLM's rule): reproducible, and the choices differ."""
+        if req.n == 1:
+            stream = await self.engine.add_request(
+                request_id, inputs, params, priority=req.priority, deadline_s=req.max_queue_seconds
+            )
+            return [stream]
+        prompt = await self.engine.process_inputs(inputs)
+        streams: list[AsyncIterator[Any]] = []
+        try:
+            for i in range(req.n):
+                child = dataclasses.replace(
+                    params, seed=None if params.seed is None else params.seed + i
+                )
+                stream = await self.engine.add_request(
+                    _choice_id(request_id, i),
+                    prompt,
+                    child,
+                    priority=req.priority,
+                    deadline_s=req.max_queue_seconds,
+                )
+                if i == 0:  # wait for its prompt's KV: the other choices reuse it
+                    outputs = aiter(stream)  # one iterator: a dropped one aborts the request
+                    head = await anext(outputs, None)
+                    stream = _prepend(head, outputs)
+                streams.append(stream)
+        except BaseException:
+            for i in range(len(streams)):
+                self._abort_soon(_choice_id(request_id, i))
+            raise
+        return streams
 
     async def _complete(
         self,
-        stream: AsyncIterator[Any],
+        streams: list[AsyncIterator[Any]],
         raw: Request,
+        req: SamplingFields,
         endpoint: str,
         response_id: str,
         record: RequestRecord,
         arrival: float,
     ) -> Response:
-        """Non-streaming: wait for the final output (or the client leaving), answer in one body."""
+        """Non-streaming: wait for every choice's final output (or the client leaving), answer
+        in one body."""
         request_id = record.id
+        counts = [0] * len(streams)
         try:
-            final = await _until_disconnected(raw, self._collect(stream, record, arrival))
+            finals = await _until_disconnected(
+                raw, self._collect_all(streams, record, arrival, counts)
+            )
         except ClientDisconnected:
-            await self._abort(request_id)
+            await self._abort_choices(request_id, len(streams))
             self._finish(record, arrival, status=CLIENT_CLOSED, error_code="client_disconnected")
             return Response(status_code=CLIENT_CLOSED)
         except Exception as exc:  # APIError, or the engine failing the request after queueing
             err = from_engine_error(exc)
             if err.status == 500:
                 logger.exception("request %s failed", request_id)
-            if err.code != "expired":
-                await self._abort(request_id)
+            if err.code != "expired" or len(streams) > 1:  # an expired one is already retired
+                await self._abort_choices(request_id, len(streams))
             self._finish(record, arrival, status=err.status, error_code=err.code)
             err.headers.setdefault("x-request-id", record.header_id)
             raise err from None
         self._finish(record, arrival)
-        usage = _usage(final)
-        text = final.outputs[0].text
-        reason = final.outputs[0].finish_reason
+        usage = _usage(finals)
+        want_logprobs = req.num_logprobs is not None
         body: ChatCompletion | Completion
         if endpoint == "chat":
-            message = ResponseMessage(content=text)
+            chat_choices = []
+            for i, final in enumerate(finals):
+                comp = final.outputs[0]
+                logprobs = (
+                    chat_logprobs(comp.logprobs or [], self.token_texts) if want_logprobs else None
+                )
+                content, calls, reason = read_output(_tool_plan(req), comp.text, comp.finish_reason)
+                chat_choices.append(
+                    ChatChoice(
+                        index=i,
+                        message=ResponseMessage(content=content, tool_calls=calls or None),
+                        logprobs=logprobs,
+                        finish_reason=reason,
+                    )
+                )
             body = ChatCompletion(
-                id=response_id,
-                model=self.model_name,
-                choices=[ChatChoice(message=message, finish_reason=reason)],
-                usage=usage,
+                id=response_id, model=self.model_name, choices=chat_choices, usage=usage
             )
         else:
+            text_choices = []
+            for i, final in enumerate(finals):
+                comp = final.outputs[0]
+                logprobs = (
+                    completion_logprobs(comp.logprobs or [], self.token_texts)
+                    if want_logprobs
+                    else None
+                )
+                text_choices.append(
+                    CompletionChoice(
+                        index=i, text=comp.text, logprobs=logprobs, finish_reason=comp.finish_reason
+                    )
+                )
             body = Completion(
-                id=response_id,
-                model=self.model_name,
-                choices=[CompletionChoice(text=text, finish_reason=reason)],
-                usage=usage,
+                id=response_id, model=self.model_name, choices=text_choices, usage=usage
             )
         return JSONResponse(body.model_dump(), headers={"x-request-id": record.header_id})
 
     async def _drive(
-        self, stream: AsyncIterator[Any], record: RequestRecord, arrival: float
+        self,
+        stream: AsyncIterator[Any],
+        record: RequestRecord,
+        arrival: float,
+        counts: list[int] | None = None,
+        index: int = 0,
     ) -> AsyncIterator[Any]:
-        """Iterate the engine stream, taking TTFT/ITL at the moment each output is handed on,
-        and turn the engine's terminal non-answers (expired, abort) into errors."""
+        """Iterate one choice's engine stream, taking TTFT/ITL at the moment each output is
+        handed on, and turn the engine's terminal non-answers (expired, abort) into errors.
+        The record holds the first choice's timings and every choice's tokens (``counts``)."""
         last: float | None = None
+        counts = counts if counts is not None else [0]
         async for out in stream:
             comp = out.outputs[0]
+            counts[index] = len(comp.token_ids)
+            record.output_tokens = sum(counts)
+            if index != 0:
+                yield out
+                continue
             record.prompt_tokens = len(out.prompt_token_ids)
             record.image_tokens = out.num_image_tokens
             record.cached_tokens = out.num_cached_tokens
-            record.output_tokens = len(comp.token_ids)
             record.finish_reason = comp.finish_reason
             if out.finished:
                 fill_engine_timings(record, out.metrics)
@@ -227,41 +323,88 @@ class OpenAIServing:
             yield out
 
     async def _collect(
-        self, stream: AsyncIterator[Any], record: RequestRecord, arrival: float
+        self,
+        stream: AsyncIterator[Any],
+        record: RequestRecord,
+        arrival: float,
+        counts: list[int],
+        index: int,
     ) -> Any:
         final = None
-        async for out in self._drive(stream, record, arrival):
+        async for out in self._drive(stream, record, arrival, counts, index):
             final = out
         if final is None or not final.finished:
             raise APIError(500, "engine stream ended without a result", code="internal_error")
         return final
 
+    async def _collect_all(
+        self,
+        streams: list[AsyncIterator[Any]],
+        record: RequestRecord,
+        arrival: float,
+        counts: list[int],
+    ) -> list[Any]:
+        """Every choice's final output, in order; the first failure is raised once all ended."""
+        results = await asyncio.gather(
+            *(self._collect(s, record, arrival, counts, i) for i, s in enumerate(streams)),
+            return_exceptions=True,
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results
+
     async def _stream(
         self,
-        stream: AsyncIterator[Any],
+        streams: list[AsyncIterator[Any]],
         req: SamplingFields,
         endpoint: str,
         response_id: str,
         record: RequestRecord,
         arrival: float,
     ) -> AsyncIterator[str]:
-        """SSE body, chunk for chunk as OpenAI sends it."""
+        """SSE body, chunk for chunk as OpenAI sends it; choices interleave, each chunk names
+        its ``index``."""
         created = int(time.time())
         chunks = _ChunkWriter(endpoint, response_id, created, self.model_name, req.include_usage)
+        want_logprobs = req.num_logprobs is not None
+        counts = [0] * len(streams)
+        finals: list[Any] = [None] * len(streams)
         finished = False
         status, error_code = 200, None
         try:
             if endpoint == "chat":
-                yield chunks.chat(ChoiceDelta(role="assistant", content=""))
-            async for out in self._drive(stream, record, arrival):
+                for i in range(len(streams)):
+                    yield chunks.chat(ChoiceDelta(role="assistant", content=""), index=i)
+            drives = [self._drive(s, record, arrival, counts, i) for i, s in enumerate(streams)]
+            offsets = [0] * len(streams)  # characters streamed per choice (text_offset)
+            plan = _tool_plan(req)
+            tools = [ToolCallStreamer(plan) if plan.mode != "none" else None for _ in streams]
+            async for i, out in _merge(drives):
                 comp = out.outputs[0]
-                if comp.delta_text:
-                    yield chunks.content(comp.delta_text)
+                logprobs = None
+                if want_logprobs and comp.delta_logprobs:
+                    if endpoint == "chat":
+                        logprobs = chat_logprobs(comp.delta_logprobs, self.token_texts)
+                    else:
+                        logprobs = completion_logprobs(
+                            comp.delta_logprobs, self.token_texts, offsets[i]
+                        )
+                text, calls, reason = comp.delta_text, [], comp.finish_reason
+                if tools[i] is not None:  # tool calls: content and delta.tool_calls apart
+                    text, calls = tools[i].feed(text, out.finished)
+                    reason = tools[i].finish_reason(reason)
+                if text or logprobs:
+                    yield chunks.content(text, index=i, logprobs=logprobs)
+                    offsets[i] += len(text)
+                if calls:
+                    yield chunks.chat(ChoiceDelta(tool_calls=calls), index=i)
                 if out.finished:
-                    finished = True
-                    yield chunks.finish(comp.finish_reason)
-                    if req.include_usage:
-                        yield chunks.usage(_usage(out))
+                    finals[i] = out
+                    yield chunks.finish(reason, index=i)
+            finished = True
+            if req.include_usage:
+                yield chunks.usage(_usage(finals))
             yield "data: [DONE]\n\n"
         except APIError as err:
             status, error_code = err.status, err.code
@@ -282,7 +425,9 @@ class OpenAIServing:
             if not finished:
                 # Not awaited: under Starlette's cancel scope every await here would be
                 # cancelled again, and the abort must happen regardless.
-                self._abort_soon(record.id)
+                for i in range(len(streams)):
+                    if finals[i] is None:
+                        self._abort_soon(_choice_id(record.id, i))
             self._finish(record, arrival, status=status, error_code=error_code)
 
     async def _abort(self, request_id: str) -> None:
@@ -290,6 +435,10 @@ class OpenAIServing:
             await self.engine.abort(request_id)
         except Exception:  # already finished or engine gone: nothing left to free
             logger.debug("abort of %s ignored", request_id, exc_info=True)
+
+    async def _abort_choices(self, request_id: str, n: int) -> None:
+        for i in range(n):
+            await self._abort(_choice_id(request_id, i))
 
     def _abort_soon(self, request_id: str) -> None:
         task = asyncio.get_running_loop().create_task(self._abort(request_id))
@@ -317,14 +466,16 @@ class OpenAIServing:
         out: list[dict[str, Any]] = []
         loads: list[tuple[str, str]] = []
         slots: list[tuple[list[dict[str, Any]], int]] = []
+        clips: list[ClipSource] = []
+        clip_slots: list[tuple[list[dict[str, Any]], int]] = []
         for i, msg in enumerate(messages):
             role = "system" if msg.role == "developer" else msg.role
-            if role == "tool":
-                raise bad_request("tool messages are not supported", param=f"messages[{i}].role")
-            if msg.content is None:
+            extra = msg.model_extra or {}
+            if msg.content is None and not (role == "assistant" and extra.get("tool_calls")):
                 raise bad_request("message content is required", param=f"messages[{i}].content")
-            if isinstance(msg.content, str):
-                out.append({"role": role, "content": msg.content})
+            if msg.content is None or isinstance(msg.content, str):
+                out.append({"role": role, "content": msg.content or ""})
+                tool_template_message(out[-1], extra, i)  # tool_calls / tool_call_id
                 continue
             parts: list[dict[str, Any]] = []
             for j, part in enumerate(msg.content):
@@ -338,7 +489,13 @@ class OpenAIServing:
                     parts.append({"type": "image", "image": None})
                     loads.append((url, f"{param}.image_url"))
                     slots.append((parts, len(parts) - 1))
-                elif part.type in ("text", "image_url"):  # the right type, missing its field
+                elif isinstance(part, VideoURLPart | VideoPart):
+                    if role != "user":
+                        raise bad_request("videos are only allowed in user messages", param)
+                    parts.append({"type": "video", "video": None})
+                    clips.append(_clip_source(part, param))
+                    clip_slots.append((parts, len(parts) - 1))
+                elif part.type in ("text", "image_url", "video_url", "video"):  # missing field
                     raise bad_request(f"malformed {part.type} part", param=param)
                 else:
                     raise bad_request(
@@ -346,11 +503,22 @@ class OpenAIServing:
                         param=f"{param}.type",
                     )
             out.append({"role": role, "content": parts})
-        if loads:
-            images = await self.media.load_all(loads)
+            tool_template_message(out[-1], extra, i)
+        if loads or clips:
+            images, videos = await self.media.load_media(loads, clips)
             for (parts, k), image in zip(slots, images, strict=True):
                 parts[k]["image"] = image
+            for (parts, k), clip in zip(clip_slots, videos, strict=True):
+                parts[k]["video"] = {"frames": clip.frames, "fps": clip.fps}
         return out
+
+
+def _clip_source(part: VideoURLPart | VideoPart, param: str) -> ClipSource:
+    """A video part as the media loader takes it: a video file, or frame URLs."""
+    if isinstance(part, VideoPart):
+        return ClipSource(param, frames=list(part.video), fps=part.fps)
+    url = part.video_url if isinstance(part.video_url, str) else part.video_url.url
+    return ClipSource(param, url=url)
 
 
 class _ChunkWriter:
@@ -379,21 +547,31 @@ class _ChunkWriter:
             body["usage"] = usage.model_dump(exclude_none=True) if usage else None
         return _sse(body)
 
-    def chat(self, delta: ChoiceDelta, finish_reason: str | None = None) -> str:
-        choice = ChunkChoice(delta=delta, finish_reason=finish_reason)
+    def chat(
+        self,
+        delta: ChoiceDelta,
+        finish_reason: str | None = None,
+        index: int = 0,
+        logprobs: dict[str, Any] | None = None,
+    ) -> str:
+        choice = ChunkChoice(
+            index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason
+        )
         dumped = choice.model_dump()
         dumped["delta"] = delta.model_dump(exclude_none=True)
         return self._event([dumped])
 
-    def content(self, text: str) -> str:
+    def content(self, text: str, index: int = 0, logprobs: dict[str, Any] | None = None) -> str:
         if self.endpoint == "chat":
-            return self.chat(ChoiceDelta(content=text))
-        return self._event([CompletionChoice(text=text).model_dump()])
+            return self.chat(ChoiceDelta(content=text), index=index, logprobs=logprobs)
+        choice = CompletionChoice(index=index, text=text, logprobs=logprobs)
+        return self._event([choice.model_dump()])
 
-    def finish(self, reason: str | None) -> str:
+    def finish(self, reason: str | None, index: int = 0) -> str:
         if self.endpoint == "chat":
-            return self.chat(ChoiceDelta(), finish_reason=reason)
-        return self._event([CompletionChoice(text="", finish_reason=reason).model_dump()])
+            return self.chat(ChoiceDelta(), finish_reason=reason, index=index)
+        choice = CompletionChoice(index=index, text="", finish_reason=reason)
+        return self._event([choice.model_dump()])
 
     def usage(self, usage: Usage) -> str:
         return self._event([], usage=usage)
@@ -403,15 +581,68 @@ def _sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
 
-def _usage(out: Any) -> Usage:
-    prompt = len(out.prompt_token_ids)
-    completion = len(out.outputs[0].token_ids)
+def _usage(finals: list[Any]) -> Usage:
+    """One prompt (counted once, as OpenAI does for ``n`` choices) and every choice's tokens."""
+    first = finals[0]
+    prompt = len(first.prompt_token_ids)
+    completion = sum(len(out.outputs[0].token_ids) for out in finals)
     return Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,
         total_tokens=prompt + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=first.num_cached_tokens),
     )
+
+
+def _choice_id(request_id: str, index: int) -> str:
+    """The engine id of choice ``index``: the request's own id for the first."""
+    return request_id if index == 0 else f"{request_id}-{index}"
+
+
+async def _prepend(head: Any, stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """``stream`` with ``head`` (already taken from it) put back in front."""
+    if head is not None:
+        yield head
+        if head.finished:
+            return
+    async for out in stream:
+        yield out
+
+
+async def _merge(drives: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several choices' outputs as they come, tagged with the choice's index. An
+    error in any choice is raised here; the rest are cancelled."""
+    if len(drives) == 1:
+        async for out in drives[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, drive: AsyncIterator[Any]) -> None:
+        try:
+            async for out in drive:
+                await queue.put((index, out))
+        except BaseException as exc:  # handed to the consumer, which raises it
+            await queue.put((index, exc))
+            return
+        await queue.put((index, done))
+
+    tasks = [asyncio.ensure_future(pump(i, d)) for i, d in enumerate(drives)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _engine_inputs(key: str, value: Any, req: SamplingFields) -> Any:
@@ -424,8 +655,31 @@ def _engine_inputs(key: str, value: Any, req: SamplingFields) -> Any:
     return {key: value, "mm_processor_kwargs": kwargs}
 
 
-def _sampling_params(req: SamplingFields, max_tokens: int | None) -> SamplingParams:
+def _tool_plan(req: SamplingFields) -> ToolPlan:
+    """How this request's output is read (``none`` for text completions)."""
+    return plan_tools(
+        getattr(req, "tools", None),
+        getattr(req, "tool_choice", None),
+        getattr(req, "parallel_tool_calls", None),
+    )
+
+
+def _with_tools(inputs: Any, plan: ToolPlan) -> Any:
+    """The chat inputs with the tools for the chat template (Qwen's ``# Tools`` section)."""
+    if plan.template_tools is None:
+        return inputs
+    if not isinstance(inputs, dict):
+        inputs = {"messages": inputs}
+    return {**inputs, "chat_template_kwargs": {"tools": plan.template_tools}}
+
+
+def _sampling_params(
+    req: SamplingFields,
+    max_tokens: int | None,
+    forced_tool: StructuredOutputsParams | None = None,
+) -> SamplingParams:
     """OpenAI defaults (temperature 1, top_p 1) where the client sent nothing."""
+    structured = structured_outputs_for(req, forced_tool)
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -436,6 +690,12 @@ def _sampling_params(req: SamplingFields, max_tokens: int | None) -> SamplingPar
             seed=req.seed,
             stop=req.stop,
             ignore_eos=req.ignore_eos,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=req.token_logit_bias(),
+            logprobs=req.num_logprobs,
+            structured_outputs=structured,
         )
     except InvalidRequestError as exc:
         raise from_engine_error(exc) from None

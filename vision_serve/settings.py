@@ -8,6 +8,7 @@ one source of truth per knob.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -23,6 +24,25 @@ def _split_csv(value: object) -> object:
     if isinstance(value, str):
         return [part for part in value.replace(",", " ").split() if part]
     return value
+
+
+def _json_or_csv(value: object) -> object:
+    """vLLM takes these as JSON lists (``--allowed-origins '["https://a.com"]'``); accept that
+    verbatim, as well as ``a,b`` and repeated values, so vLLM command lines work unchanged."""
+    items = value if isinstance(value, list) else [value]
+    out: list[object] = []
+    for item in items:
+        if isinstance(item, str) and item.strip().startswith("["):
+            try:
+                decoded = json.loads(item)
+            except ValueError:
+                raise ValueError(f"not a JSON list: {item!r}") from None
+            out.extend(decoded if isinstance(decoded, list) else [decoded])
+        elif isinstance(item, str):
+            out.extend(part for part in item.replace(",", " ").split() if part)
+        else:
+            out.append(item)
+    return out
 
 
 class ServerSettings(BaseSettings):
@@ -54,11 +74,25 @@ class ServerSettings(BaseSettings):
     max_images_per_request: int = Field(default=16, ge=0)
     max_image_pixels: int = Field(default=32 * 1024 * 1024, gt=0)
     max_request_pixels: int = Field(default=64 * 1024 * 1024, gt=0)
+    # Video parts: frames per clip (a frame list longer than this is refused; a video file is
+    # sampled down to it), and the rate frames are taken from a video file. Every frame also
+    # counts as an image against the three limits above. A file is bounded by max_image_bytes.
+    max_video_frames: int = Field(default=8, ge=1)
+    video_fps: float = Field(default=2.0, gt=0)
     # Images decoded at once across all requests; decoding is CPU-bound, more than the cores
     # only adds memory held by half-decoded images.
     max_concurrent_image_decodes: int = Field(default=2, ge=1)
     # Whole request body; base64 images make bodies big, but not unboundedly so.
     max_request_body_mb: float = Field(default=50.0, gt=0)
+    # CORS (vLLM's flags and defaults): which browser origins may call the API. "*" is safe
+    # here because the API key travels in the Authorization header, which a page must hold
+    # and send itself: the browser never attaches it on its own (no cookies), so another site
+    # cannot ride on a user's session. Narrow the origins when a browser app should be the only
+    # caller; credentials stay off unless a proxy in front authenticates with cookies.
+    allowed_origins: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["*"])
+    allowed_methods: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["*"])
+    allowed_headers: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
     # Seconds uvicorn waits for in-flight streams on shutdown before cutting them.
     graceful_shutdown_s: float = Field(default=5.0, ge=0)
     log_level: str = "info"
@@ -77,6 +111,11 @@ class ServerSettings(BaseSettings):
     @classmethod
     def _split_lists(cls, v: object) -> object:
         return _split_csv(v)
+
+    @field_validator("allowed_origins", "allowed_methods", "allowed_headers", mode="before")
+    @classmethod
+    def _cors_lists(cls, v: object) -> object:
+        return _json_or_csv(v)
 
     @field_validator("allowed_media_domains")
     @classmethod

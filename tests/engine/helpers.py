@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,8 +42,11 @@ def _hf(checkpoint: str):
     return processor, model.to(device).eval()
 
 
-def hf_greedy(checkpoint: Path, conversation: list[dict], max_new_tokens: int) -> list[int]:
-    """What a user gets from ``transformers`` ``generate()`` (greedy, fp32) for a conversation."""
+def hf_greedy(
+    checkpoint: Path, conversation: list[dict], max_new_tokens: int, **generate_kwargs: Any
+) -> list[int]:
+    """What a user gets from ``transformers`` ``generate()`` (greedy, fp32) for a conversation;
+    ``generate_kwargs`` add logits processors (e.g. ``repetition_penalty``)."""
     processor, model = _hf(str(checkpoint))
     hf_messages, images = [], []
     for msg in conversation:
@@ -60,7 +64,9 @@ def hf_greedy(checkpoint: Path, conversation: list[dict], max_new_tokens: int) -
     text = processor.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
     enc = processor(text=[text], images=images or None, return_tensors="pt").to(model.device)
     with torch.inference_mode():
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
+        out = model.generate(
+            **enc, max_new_tokens=max_new_tokens, do_sample=False, **generate_kwargs
+        )
     return out[0, enc["input_ids"].shape[1] :].tolist()
 
 

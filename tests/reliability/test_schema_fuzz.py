@@ -27,15 +27,6 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 FUZZ_EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "100"))
 UNSUPPORTED = (
-    "n",
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    "logprobs",
-    "top_logprobs",
-    "tools",
-    "tool_choice",
-    "response_format",
     "echo",
     "best_of",
     "suffix",

@@ -34,7 +34,11 @@ def image_host(media_dir: Path) -> Iterator[str]:
 def test_http_image_from_allowed_host_is_fetched(client, server, image_host):
     messages = image_message("Describe.", f"http://{image_host}/red.png")
     resp = client.chat.completions.create(model=server.model, messages=messages, max_tokens=2)
-    assert resp.usage.prompt_tokens > 10
+    text_only = client.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "Describe."}], max_tokens=2
+    )
+    # 64x64 is resized to 56x56: 4x4 patches of 14, merged 2x2 into 4 tokens, plus 2 markers
+    assert resp.usage.prompt_tokens - text_only.usage.prompt_tokens == 4 + 2
 
 
 def test_same_server_under_unlisted_name_is_refused(client, server, image_host):

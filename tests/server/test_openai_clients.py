@@ -92,7 +92,11 @@ def test_png_and_webp_images_are_accepted(client, server):
     for fmt in ("PNG", "WEBP"):
         messages = image_message("Describe.", data_url(make_image(), fmt))
         resp = client.chat.completions.create(model=server.model, messages=messages, **GREEDY)
-        assert resp.usage.prompt_tokens > 4
+        text_only = client.chat.completions.create(
+            model=server.model, messages=[{"role": "user", "content": "Describe."}], **GREEDY
+        )
+        # a 112x112 image is 4x4 merged patches = 16 placeholder tokens plus its two markers
+        assert resp.usage.prompt_tokens - text_only.usage.prompt_tokens == 16 + 2
 
 
 def test_file_url_under_allowed_path_is_accepted(client, server, media_dir):
@@ -137,11 +141,24 @@ def test_stop_string_ends_with_stop(client, server, offline):
     assert full.startswith(resp.choices[0].message.content)
 
 
-def test_seeded_sampling_is_reproducible(client, server):
+def test_seeded_sampling_is_the_engines_and_honours_temperature(client, server, offline):
+    """The seeded answer is the offline engine's for the same seed and temperature (a server
+    that dropped ``seed``, ``temperature`` or ``top_p`` would not reproduce it), and differs
+    from the greedy one."""
+    from engine import SamplingParams
+
     kwargs = {"temperature": 1.0, "top_p": 0.9, "seed": 1234, "max_tokens": 8, "user": "u1"}
     a = client.chat.completions.create(model=server.model, messages=TEXT_MESSAGES, **kwargs)
-    b = client.chat.completions.create(model=server.model, messages=TEXT_MESSAGES, **kwargs)
-    assert a.choices[0].message.content == b.choices[0].message.content
+    expected = offline.chat(
+        TEXT_MESSAGES, SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=8)
+    )[0].outputs[0]
+    assert a.choices[0].message.content == expected.text
+    greedy = offline_chat(offline, TEXT_MESSAGES).outputs[0]
+    assert expected.token_ids != greedy.token_ids[: len(expected.token_ids)]
+    other_seed = offline.chat(
+        TEXT_MESSAGES, SamplingParams(temperature=1.0, top_p=0.9, seed=1235, max_tokens=8)
+    )[0].outputs[0]
+    assert other_seed.token_ids != expected.token_ids
 
 
 def test_text_completions_sync_and_stream(client, server):

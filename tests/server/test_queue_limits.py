@@ -18,6 +18,7 @@ from vision_serve.settings import ServerSettings
 from .support import (
     ServerHandle,
     data_url,
+    engine_is_idle,
     image_message,
     make_engine,
     make_image,
@@ -38,24 +39,30 @@ def limited(checkpoint: Any) -> Iterator[ServerHandle]:
     engine.shutdown()
 
 
-async def _occupy(client: openai.AsyncOpenAI, model: str) -> Any:
-    """Start a long streaming request and return its open stream once it is running."""
+async def _occupy(client: openai.AsyncOpenAI, server: ServerHandle) -> Any:
+    """Start a long streaming request and return its open stream once it holds the only
+    running slot and nothing waits (an earlier test's occupant may still be being aborted)."""
+    engine = server.engine
+    assert await asyncio.to_thread(wait_for, lambda: engine_is_idle(server), 30)
     stream = await client.chat.completions.create(
-        model=model,
+        model=server.model,
         messages=MESSAGES,
         stream=True,
         max_tokens=900,
         extra_body={"ignore_eos": True},
     )
-    await stream.__anext__()  # role chunk: the request is in the engine
+    await stream.__anext__()  # role chunk: the request was queued
+    stats = engine.get_stats
+    assert await asyncio.to_thread(
+        wait_for, lambda: stats().num_running == 1 and stats().num_waiting == 0
+    )
     return stream
 
 
 async def test_full_queue_is_429_queue_full(limited):
     engine = limited.engine
     async with limited.async_client() as client:
-        running = await _occupy(client, limited.model)
-        assert wait_for(lambda: engine.get_stats().num_running == 1)
+        running = await _occupy(client, limited)
         waiting = asyncio.create_task(
             client.chat.completions.create(model=limited.model, messages=MESSAGES, max_tokens=2)
         )
@@ -96,7 +103,7 @@ async def test_request_past_its_deadline_expires(limited, request_logs, priority
     engine = limited.engine
     expired_before = engine.get_stats().num_expired
     async with limited.async_client() as client:
-        running = await _occupy(client, limited.model)
+        running = await _occupy(client, limited)
 
         with pytest.raises(openai.APIStatusError) as exc:
             await client.chat.completions.create(
