@@ -122,6 +122,19 @@ def _lone_surrogate_at(value: Any, path: str = "") -> str | None:
     return None
 
 
+def refuse_lone_surrogates(data: Any) -> Any:
+    """``data`` unchanged, or a 400 naming the first field holding a lone UTF-16 surrogate
+    (every request body's ``mode="before"`` validator calls this)."""
+    where = _lone_surrogate_at(data)
+    if where is not None:
+        raise bad_request(
+            f"{where or 'body'}: string contains a lone UTF-16 surrogate (not valid Unicode)",
+            param=where or None,
+            code="invalid_unicode",
+        )
+    return data
+
+
 class SamplingFields(BaseModel):
     """Fields shared by chat and text completions."""
 
@@ -164,14 +177,7 @@ class SamplingFields(BaseModel):
         """JSON may escape lone UTF-16 surrogates (``"\\ud800"``); Python then holds a string
         that cannot be encoded, and the tokenizer or the response writer would fail with a 500
         long after the door. Refused here, naming the field."""
-        where = _lone_surrogate_at(data)
-        if where is not None:
-            raise bad_request(
-                f"{where or 'body'}: string contains a lone UTF-16 surrogate (not valid Unicode)",
-                param=where or None,
-                code="invalid_unicode",
-            )
-        return data
+        return refuse_lone_surrogates(data)
 
     def check_supported(self) -> None:
         """Refuse what we would otherwise get silently wrong."""

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from engine.errors import EmptyPromptError
 from vision_serve.errors import APIError, _param_from_loc, bad_request, from_engine_error
-from vision_serve.protocol import ChatMessage, MMProcessorKwargs, _lone_surrogate_at
+from vision_serve.protocol import ChatMessage, MMProcessorKwargs, refuse_lone_surrogates
 from vision_serve.serving import OpenAIServing
 
 # chat_template_kwargs a client may not set: they change what apply_chat_template returns or
@@ -41,14 +41,7 @@ class _TokenizeBase(BaseModel):
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
         """A lone surrogate would make the tokenizer raise (a 500); refused at the door."""
-        where = _lone_surrogate_at(data)
-        if where is not None:
-            raise bad_request(
-                f"{where or 'body'}: string contains a lone UTF-16 surrogate",
-                param=where or None,
-                code="invalid_unicode",
-            )
-        return data
+        return refuse_lone_surrogates(data)
 
 
 class TokenizeCompletionRequest(_TokenizeBase):

@@ -579,3 +579,12 @@ def video_frames(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def video_file(video_frames: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same frames as an MP4 file source (5 fps, 4 s), written with OpenCV."""
     return write_video_file(video_frames, tmp_path_factory.mktemp("video") / "people.mp4")
+
+
+def iou(a: Any, b: Any) -> float:
+    """Intersection over union of two (x1, y1, x2, y2) boxes."""
+    ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    inter = ix * iy
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return inter / union if union else 0.0

@@ -13,21 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pipeline_helpers import REPO
+from pipeline_helpers import REPO, iou
 
 from pipelines import synthetic
 from pipelines.detector_training import load_build, make_detector
 from pipelines.ingest import Frame
 
 HELD_OUT_SEED = 424242  # never used by a build: make-detector seeds are small integers
-
-
-def iou(a, b) -> float:
-    ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
-    iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
-    inter = ix * iy
-    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
-    return inter / union if union else 0.0
 
 
 def detect(detector, image: np.ndarray):
