@@ -3,7 +3,7 @@
 Order of work per row, as vLLM's V1 sampler does it: logprobs are taken from the model's raw
 logits (what the model believes, not what the request's processing made of it); then banned
 tokens (min_tokens), ``logit_bias`` and the penalties are applied; then greedy picks the best
-token or temperature, top-k and top-p shape the distribution it is drawn from.
+token or temperature, min-p, top-k and top-p shape the distribution it is drawn from.
 """
 
 from __future__ import annotations
@@ -117,6 +117,11 @@ _NUCLEUS_FIRST_GUESS = 256
 
 def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
     logits = row.float() / p.temperature
+    if p.min_p > 0.0:
+        # vLLM's min-p, after temperature: p(token) < min_p * p(best) is dropped, i.e. a
+        # logit below the best one by more than -log(min_p)
+        cutoff = logits.max() + torch.log(torch.tensor(p.min_p))
+        logits = logits.masked_fill(logits < cutoff, float("-inf"))
     vocab = logits.shape[-1]
     top_k = p.top_k if 0 < p.top_k < vocab else vocab
     ids: torch.Tensor | None = None

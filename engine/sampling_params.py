@@ -44,6 +44,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0  # drop tokens less likely than min_p x the best token's probability
     min_tokens: int = 0
     seed: int | None = None
     stop: list[str] | str | None = None
@@ -98,6 +99,8 @@ class SamplingParams:
             raise InvalidRequestError("temperature must be a finite number >= 0", "temperature")
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError("top_p must be in (0, 1]", param="top_p")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError("min_p must be a number in [0, 1]", param="min_p")
         if self.top_k < 0:
             raise InvalidRequestError("top_k must be -1, 0 (disabled) or positive", param="top_k")
         if self.min_tokens < 0:

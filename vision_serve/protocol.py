@@ -156,6 +156,7 @@ class SamplingFields(BaseModel):
     # vLLM extra-body sampling fields
     repetition_penalty: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     # scheduling (handed to the engine's policy)

@@ -3,9 +3,8 @@
 A default fills only a field the client did not send (pydantic's ``model_fields_set``; an
 explicit ``null`` counts as not sent), so ``temperature=0`` from a client always wins over the
 checkpoint's recommendation, and a client that sends nothing gets the author's sampling as it
-would from vLLM. Keys the engine's :class:`SamplingParams` has no field for (``min_p`` today)
-are logged once at start and skipped; ``repetition_penalty`` applies as soon as
-``SamplingParams`` carries it (it is looked up by field name, not hard-wired).
+would from vLLM. Keys are matched to :class:`SamplingParams` fields by name; one the engine has
+no field for is logged once at start and skipped.
 """
 
 from __future__ import annotations

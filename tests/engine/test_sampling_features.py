@@ -151,9 +151,28 @@ def test_rows_without_features_are_untouched_by_their_neighbours():
     assert out.logprobs == [None, None, None]
 
 
+def test_min_p_keeps_only_tokens_near_the_best():
+    """vLLM's min-p: after temperature, tokens below min_p x the best probability are never
+    drawn; min_p 1 leaves only the best token, whatever the seed."""
+    logits = torch.tensor([[4.0, 3.5, 1.0, 0.0, -1.0]])
+    probs = torch.softmax(logits[0], -1)
+    allowed = {i for i in range(5) if probs[i] >= 0.3 * probs.max()}
+    assert allowed == {0, 1}
+    seen = set()
+    for seed in range(40):
+        gen = torch.Generator().manual_seed(seed)
+        out = sample(logits.clone(), [SamplingParams(min_p=0.3)], [gen], [[]])
+        seen.add(out.token_ids[0])
+    assert seen == allowed
+    gen = torch.Generator().manual_seed(0)
+    only = sample(logits.clone(), [SamplingParams(min_p=1.0, temperature=2.0)], [gen], [[]])
+    assert only.token_ids == [0]
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [
+        ("min_p", 1.5),
         ("presence_penalty", 2.5),
         ("frequency_penalty", float("nan")),
         ("repetition_penalty", 0.0),

@@ -59,13 +59,14 @@ def test_a_folder_without_the_file_is_refused(tmp_path):
         load_sampling_defaults(str(tmp_path), tmp_path)
 
 
-def test_defaults_are_logged_at_start_and_unsupported_keys_named(tuned_server, caplog):
+def test_defaults_are_logged_at_start_and_all_applied(tuned_server, caplog):
     caplog.set_level(logging.INFO)
     defaults = SamplingDefaults.for_engine(tuned_server.engine)
-    text = caplog.text
-    assert "Default sampling parameters have been overridden" in text
-    if "min_p" not in defaults.values:  # until SamplingParams grows min_p
-        assert "not applied" in text and "min_p" in text
+    assert "Default sampling parameters have been overridden" in caplog.text
+    assert defaults.values["min_p"] == 0.05 and "not applied" not in caplog.text
+    unknown = SamplingDefaults({"temperature": 0.5, "typical_p": 0.9})
+    assert unknown.values == {"temperature": 0.5}
+    assert "not applied" in caplog.text and "typical_p" in caplog.text
 
 
 def test_a_request_without_sampling_fields_gets_the_authors(tuned_server):
