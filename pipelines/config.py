@@ -167,6 +167,21 @@ class CameraDescriberConfig(Section):
         0.25, ge=0, le=4, description="crop: margin added on each side, as a share of the box"
     )
     min_crop: int = Field(96, ge=16, description="crop: smallest side in pixels")
+    response_schema: dict[str, Any] | None = Field(
+        None,
+        description="a JSON schema of the fields to get for this camera's frames (people "
+        "count, activity, threat level ...): sent as response_format json_schema (strict), "
+        "and the parsed answer is stored as the event's structured fields and published",
+    )
+
+    @field_validator("response_schema")
+    @classmethod
+    def _schema_is_an_object(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and not value:
+            raise ValueError("response_schema: an empty schema constrains nothing; omit it")
+        if value is not None and not isinstance(value.get("type", "object"), str | list):
+            raise ValueError("response_schema: 'type' must be a JSON schema type")
+        return value
 
 
 class CameraConfig(Section):

@@ -30,6 +30,7 @@ Delivery contract (why each piece exists):
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import socket
@@ -319,6 +320,8 @@ class Describer(RedisWorker):
             await self._finish(entry_id, fields, "expired", "image_gone")
             return
         jpeg, prompt = await frame_request(self.config, jpeg, fields)
+        camera_cfg = self.config.camera(camera)
+        schema = camera_cfg.describer.response_schema if camera_cfg is not None else None
         backoff = Backoff(self.d.backoff_initial_s, self.d.backoff_max_s)
         failures = 0
         avoid: frozenset[str] = frozenset()
@@ -333,7 +336,7 @@ class Describer(RedisWorker):
                 await self._wait_for_endpoint(min(backoff.next_delay(), left + 0.01))
                 continue
             try:
-                text, info = await self.pool.describe(endpoint, jpeg, prompt, left)
+                text, info = await self.pool.describe(endpoint, jpeg, prompt, left, schema)
                 break
             except EndpointUnavailable as exc:  # the endpoint's failure: try another at once
                 error = exc
@@ -367,6 +370,13 @@ class Describer(RedisWorker):
             "worker": self.consumer,
             "endpoint": str(info.get("endpoint", "")),
         }
+        if schema is not None:
+            structured = structured_fields(text)
+            if structured is None:  # cut by max_tokens, or an endpoint that ignored the schema
+                metrics.STRUCTURED_INVALID.labels(camera).inc()
+                log.warning(kv("structured_answer_invalid", camera=camera, frame=entry_id))
+            else:
+                result["structured"] = structured
         if await self._finish(entry_id, result, "described", "ok"):
             metrics.DESCRIBE_LATENCY.observe(now - ts)
 
@@ -436,3 +446,15 @@ class Describer(RedisWorker):
         if detail:
             fields["detail"] = detail[:200]
         log.log(level, kv("frame_done", consumer=self.consumer, **fields))
+
+
+def structured_fields(text: str) -> str | None:
+    """A structured answer as compact JSON (the event's fields), or None when the text is not
+    a JSON object."""
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(parsed, dict):
+        return None
+    return json.dumps(parsed, separators=(",", ":"), ensure_ascii=False)

@@ -160,7 +160,12 @@ class EndpointPool:
 
     # -- one request ------------------------------------------------------------------------
     async def describe(
-        self, ep: Endpoint, jpeg: bytes, prompt: str, deadline_s: float | None
+        self,
+        ep: Endpoint,
+        jpeg: bytes,
+        prompt: str,
+        deadline_s: float | None,
+        response_schema: dict[str, Any] | None = None,
     ) -> tuple[str, dict[str, Any]]:
         """``ep.client.describe`` with the endpoint's accounts kept: in flight, outcome, and
         its state (an outage takes it out; an answer after an outage puts it back)."""
@@ -168,7 +173,7 @@ class EndpointPool:
         ep.sent_since_read += 1
         metrics.ENDPOINT_INFLIGHT.labels(ep.name).set(ep.inflight)
         try:
-            text, info = await ep.client.describe(jpeg, prompt, deadline_s)
+            text, info = await ep.client.describe(jpeg, prompt, deadline_s, response_schema)
         except EndpointUnavailable as exc:
             self._outcome(ep, "unavailable")
             self._down(ep, "request", exc)

@@ -84,6 +84,11 @@ VLM_SECONDS = Histogram(
     "vs_vlm_request_seconds", "one chat completion request", buckets=LATENCY_BUCKETS
 )
 VLM_ERRORS = Counter("vs_vlm_errors", "failed VLM requests by kind", ["kind"])
+STRUCTURED_INVALID = Counter(
+    "vs_structured_answers_invalid",
+    "answers to a camera's response_schema that were not a JSON object (stored as text only)",
+    ["camera"],
+)
 VLM_UP = Gauge("vs_vlm_up", "0 while every endpoint is failing (intake paused)")
 # per endpoint (describer.endpoints; label: its name, default host:port)
 ENDPOINT_UP = Gauge(

@@ -185,13 +185,25 @@ class VLMClient:
         )
 
     async def describe(
-        self, jpeg: bytes, prompt: str, deadline_s: float | None = None
+        self,
+        jpeg: bytes,
+        prompt: str,
+        deadline_s: float | None = None,
+        response_schema: dict[str, Any] | None = None,
     ) -> tuple[str, dict[str, Any]]:
         """The description text and request facts (model, tokens, seconds). ``deadline_s``:
         seconds the server may keep the frame waiting before it is stale (sent when
-        ``send_deadline``); the server then answers 408 instead of describing it late."""
+        ``send_deadline``); the server then answers 408 instead of describing it late.
+        ``response_schema``: the answer is JSON valid against it (OpenAI's strict
+        ``json_schema`` response format, which vLLM and our server enforce)."""
         url = "data:image/jpeg;base64," + base64.b64encode(jpeg).decode("ascii")
         extra_body: dict[str, Any] = {}
+        structured: dict[str, Any] = {}
+        if response_schema is not None:
+            structured["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "camera_event", "schema": response_schema, "strict": True},
+            }
         if self.cfg.priority is not None:
             extra_body["priority"] = self.cfg.priority
         if self.cfg.send_deadline and deadline_s is not None:
@@ -212,6 +224,7 @@ class VLMClient:
                 max_tokens=self.cfg.max_tokens,
                 temperature=self.cfg.temperature,
                 extra_body=extra_body,
+                **structured,
             )
         except (openai.APIConnectionError, openai.APITimeoutError) as exc:
             metrics.VLM_ERRORS.labels("unreachable").inc()
