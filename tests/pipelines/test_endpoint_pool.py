@@ -159,14 +159,14 @@ def test_a_failing_health_check_takes_an_endpoint_out_until_it_passes(
     with DescriberThread(config, "w1") as worker:
         ep_x = worker.describer.pool.endpoints[0]
         x.health = 503
-        wait_until(lambda: not ep_x.up, 10, what="X out of rotation")
-        assert metrics.ENDPOINT_UP.labels(x.name)._value.get() == 0
+        up_gauge = metrics.ENDPOINT_UP.labels(x.name)
+        # the gauge follows the state on the describer's loop: wait for both
+        wait_until(lambda: not ep_x.up and up_gauge._value.get() == 0, 10, what="X out")
         enqueue_frames(redis_server.url, q, 4)
         wait_until(lambda: len(descriptions(client, q)) == 4, 15, what="4 described")
         assert (x.served, y.served) == (0, 4)
         x.health = 200
-        wait_until(lambda: ep_x.up, 10, what="X back in rotation")
-        assert metrics.ENDPOINT_UP.labels(x.name)._value.get() == 1
+        wait_until(lambda: ep_x.up and up_gauge._value.get() == 1, 10, what="X back in")
         enqueue_frames(redis_server.url, q, 4, camera="later")
         wait_until(lambda: len(descriptions(client, q)) == 8, 15, what="8 described")
     assert x.served > 0

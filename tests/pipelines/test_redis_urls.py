@@ -138,13 +138,13 @@ def cluster_node(tmp_path):
          "--dir", str(tmp_path), "--save", "", "--logfile", str(tmp_path / "cluster.log")],
         start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
-    client = redis.Redis(port=port, socket_timeout=2, socket_connect_timeout=2)
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=2, socket_connect_timeout=2)
     try:
-        wait_until(lambda: _pings(client), 15, what="cluster node up")
+        wait_until(lambda: _pings(client), 60, what="cluster node up")
         client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
         wait_until(
             lambda: b"cluster_state:ok" in client.execute_command("CLUSTER", "INFO"),
-            15,
+            60,
             what="cluster state ok",
         )
         yield port
@@ -156,7 +156,7 @@ def cluster_node(tmp_path):
 def _pings(client: redis.Redis) -> bool:
     try:
         return bool(client.ping())
-    except redis.ConnectionError:
+    except redis.RedisError:  # refused, or a timeout while the node starts on a busy machine
         return False
 
 

@@ -198,7 +198,8 @@ def test_vlm_endpoint_killed_and_restarted(stack: Stack) -> None:
     acc = stack.check()
     assert acc["dead"] == 0 and acc["expired"] == 0, "an outage is no frame's fault"
     log = stack.log("describe-A")
-    assert "event=vlm_unavailable" in log and "event=vlm_available" in log
+    # the endpoint pool logs the outage and the recovery of the one endpoint
+    assert "event=endpoint_down" in log and "event=endpoint_up" in log
 
 
 def test_rtsp_source_dropped_and_back(
