@@ -131,7 +131,7 @@ CLUSTER_KEYS = {
 def cluster_node(tmp_path):
     """A one-node Redis Cluster (every slot on it): real cluster protocol, MOVED rules and
     the one-slot rule for scripts, in a second."""
-    port = free_port()
+    port = _cluster_port()
     proc = subprocess.Popen(
         ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--protected-mode", "no",
          "--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / "nodes.conf"),
@@ -151,6 +151,16 @@ def cluster_node(tmp_path):
     finally:
         client.close()
         kill_group(proc)
+
+
+def _cluster_port() -> int:
+    """A free port a cluster node accepts: its bus listens 10,000 higher, so at most 55535
+    (an ephemeral port above that makes redis-server exit at start)."""
+    for _ in range(200):
+        port = free_port()
+        if port <= 55535:
+            return port
+    raise RuntimeError("no free port <= 55535 for a cluster node")
 
 
 def _pings(client: redis.Redis) -> bool:
