@@ -3,8 +3,13 @@ bytes per step and the bandwidth that implies, and greedy agreement / logit erro
 prompt set.
 
     python -m benchmarks.int8                       # bench checkpoint; baseline = --dtype auto
-    python -m benchmarks.int8 --dtype bfloat16      # int8 against bf16 (AVX-512 machines)
+    python -m benchmarks.int8 --dtype bfloat16      # int8 against bf16
+    python -m benchmarks.int8 --dtype float32       # int8 against fp32 (eager, fp32 activations)
     python -m benchmarks.int8 --model DIR --steps 4 --prompts 2   # smoke
+
+Both sides keep the baseline's activation dtype: with bf16 (``--dtype auto`` where the native
+kernels build) the int8 side runs the fused decode step with int8 weights, and the agreement
+and logit error printed are int8's against bf16's.
 
 Writes results/int8.json. Baseline and int8 are loaded one after the other into the same
 process, so both run on the same machine state; the step times are medians.

@@ -26,6 +26,12 @@ person standing for a minute). Boxes are the clip's own; ``--gating-weights`` ru
 detector (``vision-serve make-detector``) on the frames instead.
 
     python benchmarks/pipeline.py --gating-compare --gating-minutes 10
+
+``--capacity`` finds, per detector format (pt / onnx / openvino) and imgsz, the most cameras
+at ``--fps`` the pipeline sustains (``--vlm`` is the null endpoint there); see
+``benchmarks/pipeline_capacity.py``.
+
+    python benchmarks/pipeline.py --capacity --formats pt onnx openvino --imgsz 320 640
 """
 
 from __future__ import annotations
@@ -362,8 +368,12 @@ def main() -> int:
     parser.add_argument("--source-fps", type=int, default=10, help="the simulated cameras' fps")
     parser.add_argument("--duration", type=float, default=60.0, help="measured seconds")
     parser.add_argument("--warmup", type=float, default=10.0)
-    parser.add_argument("--weights", default="yolo26n.yaml")
-    parser.add_argument("--imgsz", type=int, default=640)
+    parser.add_argument(
+        "--weights", default=None, help="default yolo26n.yaml; --capacity: the trained detector"
+    )
+    parser.add_argument(
+        "--imgsz", type=int, nargs="+", default=None, help="default 640; --capacity: 320 640"
+    )
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--no-inject", action="store_true", help="use the model's own boxes")
     parser.add_argument("--cooldown", type=float, default=5.0, help="gate cooldown seconds")
@@ -375,8 +385,19 @@ def main() -> int:
     parser.add_argument("--max-frame-age", type=float, default=60.0)
     parser.add_argument("--fsync", default="everysec", choices=["always", "everysec", "no"])
     parser.add_argument("--out", default=str(REPO / "results"))
+    from benchmarks.pipeline_capacity import add_arguments
+
+    add_arguments(parser)
     args = parser.parse_args()
     setup_logging("WARNING")
+    if args.capacity:
+        from benchmarks.pipeline_capacity import run as run_capacity
+
+        return run_capacity(args)
+    if args.imgsz and len(args.imgsz) > 1:
+        parser.error("--imgsz takes one size, except with --capacity")
+    args.imgsz = args.imgsz[0] if args.imgsz else 640
+    args.weights = args.weights or "yolo26n.yaml"
     if args.gating_compare:
         result = gating_compare(args.gating_minutes, args.fps, args.gating_weights)
         result["machine"] = platform.platform()

@@ -21,6 +21,7 @@ minutes on a small CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -37,7 +38,6 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import EncoderJob, ScheduledChunk, Scheduler, SchedulerOutput
-from engine.step_budget import StepBudget
 
 if TYPE_CHECKING:
     from engine.config import EngineArgs
@@ -48,12 +48,13 @@ log = logging.getLogger("engine.calibration")
 CONTEXT = 64  # tokens each decoding request holds before the decode shapes run
 PREFILL_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)  # past ~1k tokens the fit extrapolates
 DECODE_BATCHES = (1, 2, 4, 8, 16)
-SIDE_CHUNKS = (2, 4, 8, 16, 32, 64)  # prefill tokens next to 4 decodes: the ITL-target regime
+# prefill tokens next to 4 decodes: the ITL-target regime (up to 12, the fused kernel's rows)
+SIDE_CHUNKS = (1, 2, 4, 8, 12, 16, 32, 64)
 MAX_CALIBRATION_STEP_S = 1.5  # prefill shapes stop growing past a step this long
 # a synthetic image for the encoder shapes: 32x32 patches (a 448x448 picture's worth)
 ENCODER_GRID = (1, 32, 32)
 ENCODER_FRACTIONS = (1 / 32, 1 / 16, 1 / 8)  # of the image's work per step
-CACHE_VERSION = 2  # bump when what a calibration measures changes
+CACHE_VERSION = 4  # bump when what a calibration measures changes
 
 
 class _Calibrator:
@@ -95,7 +96,10 @@ class _Calibrator:
         for rid, total in need.items():
             self.kv.allocate(rid, total)
         sched = SchedulerOutput(chunks=[self.chunk(rid, n, sample) for rid, n, sample in parts])
-        features = StepFeatures(fused_decode_rows=self.runner.fused_decode_rows)
+        features = StepFeatures(
+            fused_decode_rows=self.runner.fused_decode_rows,
+            fused_prefill_rows=self.runner.fused_prefill_rows,
+        )
         for c in sched.chunks:
             if c.is_decode:
                 features.decode_tokens += 1
@@ -150,7 +154,10 @@ class _Calibrator:
             chunks=[self.chunk(rid, n, sample) for rid, n, sample in parts],
             encoder_work={tag: units},
         )
-        features = StepFeatures(fused_decode_rows=self.runner.fused_decode_rows)
+        features = StepFeatures(
+            fused_decode_rows=self.runner.fused_decode_rows,
+            fused_prefill_rows=self.runner.fused_prefill_rows,
+        )
         for c in sched.chunks:
             features.decode_tokens += 1
             features.attention_units += c.start + 1
@@ -264,6 +271,7 @@ def calibration_key(engine: LLMEngine) -> str:
         "dtype": str(engine.dtype),
         "quantization": args.quantization,
         "fused_decode_rows": engine.runner.fused_decode_rows,
+        "fused_prefill_rows": engine.runner.fused_prefill_rows,
         "encoder_rows_per_item": engine.runner.encoder_rows_per_item,
         "block_size": args.block_size,
         "token_cap": engine.scheduler.config.max_num_batched_tokens,
@@ -294,6 +302,17 @@ def calibrate_cached(
     except (OSError, ValueError, KeyError, TypeError):
         pass  # no cache yet, or one this code cannot read: measure
     recorded = calibrate(runner, kv, cost_model, max_num_batched_tokens, max_num_seqs)
+    load = _busy_load()
+    if load is not None:
+        # steps timed while other work held the cores: fine to start from (online steps
+        # replace them bucket by bucket), wrong to keep as this machine's figures for good
+        log.warning(
+            "calibration not cached: the machine was busy (load average %.1f on %d cores); "
+            "the next start measures again",
+            load,
+            os.cpu_count() or 1,
+        )
+        return
     data = {"samples": [(vars(f), s) for f, s in recorded]}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -302,6 +321,19 @@ def calibrate_cached(
         tmp.replace(path)
     except OSError as exc:  # a read-only home: calibrate again next start
         log.warning("calibration not cached (%s): %s", path, exc)
+
+
+# a 1-min load average above this many times the core count means other work shared them
+BUSY_LOAD_PER_CORE = 1.5
+
+
+def _busy_load() -> float | None:
+    """The load average when it says other processes competed for the cores, else None."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return None
+    return load if load > BUSY_LOAD_PER_CORE * (os.cpu_count() or 1) else None
 
 
 def log_step_policy(scheduler: Scheduler, args: EngineArgs) -> None:
@@ -315,25 +347,32 @@ def log_step_policy(scheduler: Scheduler, args: EngineArgs) -> None:
             cfg.max_num_batched_tokens,
         )
         return
-    budget = StepBudget(limits, scheduler.cost_model, cfg.fused_decode_rows)
+    budget = scheduler.new_budget()
     budget.add_decode(CONTEXT)
+    decode_s = budget.predicted_s
+    eager_s = scheduler.cost_model.predict(dataclasses.replace(budget.features, force_eager=True))
     budget.open_prefill(interactive_decoding=True)
-    decode_s = scheduler.cost_model.predict(
-        StepFeatures(decode_tokens=1, attention_units=CONTEXT, force_eager=True)
-    )
-    bound = budget.step_bound_s()
-    per_token = scheduler.cost_model.compute_bound_prefill_s()
+    beside_chat = budget.fit_chunk(CONTEXT, cfg.max_num_batched_tokens)
+    batch_only = scheduler.new_budget()
+    batch_only.open_prefill(interactive_decoding=False)
+    bound = batch_only.step_bound_s()
     log.info(
         "step_policy mode=time-sized token_cap=%d itl_target=%s (%s ms with one chat stream) "
-        "max_step=%s (%s ms) decode_step=%.1f ms prefill=%.2f ms/token => up to ~%d prompt "
-        "tokens per batch-only step; why: an arriving chat request waits at most one step, and "
-        "chat streams keep their ITL while camera work fills what they leave",
+        "max_step=%s (%s ms) decode_step=%.1f ms (eager forward %.1f ms; fused kernel rows: "
+        "%d decode-only, %d with prompt tokens) prefill=%.2f ms/token => ~%d prompt tokens "
+        "beside one chat stream, up to ~%d per batch-only step; why: an arriving chat request "
+        "waits at most one step, and chat streams keep their ITL while camera work fills what "
+        "they leave",
         cfg.max_num_batched_tokens,
         "off" if limits.target_itl_s is None else limits.target_itl_s,
         "-" if budget.itl_target_s is None else f"{budget.itl_target_s * 1e3:.1f}",
         "off" if limits.max_step_s is None else limits.max_step_s,
         "-" if bound is None else f"{bound * 1e3:.1f}",
         decode_s * 1e3,
-        per_token * 1e3,
-        int((bound or 0) / per_token) if per_token > 0 else cfg.max_num_batched_tokens,
+        eager_s * 1e3,
+        cfg.fused_decode_rows,
+        cfg.fused_prefill_rows,
+        scheduler.cost_model.compute_bound_prefill_s() * 1e3,
+        beside_chat,
+        batch_only.fit_chunk(0, cfg.max_num_batched_tokens),
     )

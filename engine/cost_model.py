@@ -1,7 +1,7 @@
 """An online model of step time, learnt from the steps the engine actually ran.
 
     step_s ≈ fixed + l·lm_forward + a·prefill_tokens + b·decode_tokens
-             + Σ_k h_k·max(0, rows − k) + c·attention_units + d·encoder_units
+             + Σ_k h_k·max(0, rows − k) + j·[rows > 4] + c·attention_units + d·encoder_units
 
 ``rows`` are all new tokens of the step (decode and prefill): the weights are read once per
 step whatever the row count, so up to the machine's ridge point (a few rows on a CPU, hundreds
@@ -17,9 +17,11 @@ EPYC) and a step that only advances image encoding does not. Without it the fit 
 floor over the encoder's price (priced 5x too cheap there) and over every step.
 
 ``eager_forward`` is 1 for a step whose decoder forward runs the eager PyTorch path although
-the engine also has the fused decode kernel (engine/kernels): a step with any prefill, or more
-decodes than the kernel takes, pays the eager path's per-op overhead that a decode-only step no
-longer does. Without the kernel it is always 0.
+the engine also has the fused CPU kernel (engine/kernels): a step with more decodes than the
+kernel takes, or with prompt tokens and more rows in all than the kernel's GEMV takes
+(``fused_prefill_rows``), pays the eager path's per-op overhead (and, in bf16 on CPUs without
+bf16 arithmetic, the widening of every weight) that a fused step does not. Without the kernel
+it is always 0.
 
 ``attention_units`` is the query×key work of the step (each new token times the context it
 attends to, in thousands) and ``encoder_units`` the vision-tower work run in the step (in
@@ -37,12 +39,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-ROW_KNOTS = (8, 32, 128, 512)
+ROW_KNOTS = (4, 8, 32, 128, 512)
+# rows past which a step may cost a jump, not a slope: the fused CPU kernel keeps up to 4
+# activation rows in registers per pass over the weights; past that it takes other code
+# paths (row blocks, then panels), and where registers are few (AVX2: 16) the first row
+# beyond costs several rows' worth. The fit learns the jump where it exists (~0 elsewhere)
+ROW_JUMP = 4
 FEATURES = (
     "fixed",
     "prefill_tokens",
     "decode_tokens",
     *(f"rows_over_{k}" for k in ROW_KNOTS),
+    f"past_{ROW_JUMP}_rows",
     "attention_kunits",
     "encoder_kunits",
     "eager_forward",
@@ -58,16 +66,18 @@ class StepFeatures:
     encoder_units: float = 0.0  # vision-tower work (patch-block units)
     fused_decode_rows: int = 0  # the engine's fused-decode row limit (0: no fused kernel)
     force_eager: bool = False  # price the step as an eager forward whatever its shape
+    # steps with prompt tokens run the fused kernel up to this many rows in all (0: never)
+    fused_prefill_rows: int = 0
 
     @property
     def eager_forward(self) -> bool:
         if not self.fused_decode_rows:
             return False
-        return (
-            self.force_eager
-            or self.prefill_tokens > 0
-            or self.decode_tokens > self.fused_decode_rows
-        )
+        if self.force_eager:
+            return True
+        if self.prefill_tokens > 0:
+            return self.prefill_tokens + self.decode_tokens > self.fused_prefill_rows
+        return self.decode_tokens > self.fused_decode_rows
 
     def vector(self) -> np.ndarray:
         rows = self.prefill_tokens + self.decode_tokens
@@ -77,6 +87,7 @@ class StepFeatures:
                 self.prefill_tokens,
                 self.decode_tokens,
                 *(max(0, rows - k) for k in ROW_KNOTS),
+                float(rows > ROW_JUMP),
                 self.attention_units / 1e3,
                 self.encoder_units / 1e3,
                 float(self.eager_forward),
@@ -92,6 +103,7 @@ class StepFeatures:
             self.encoder_units + other.encoder_units,
             max(self.fused_decode_rows, other.fused_decode_rows),
             self.force_eager or other.force_eager,
+            max(self.fused_prefill_rows, other.fused_prefill_rows),
         )
 
 

@@ -98,6 +98,7 @@ class LLMEngine:
                 enable_chunked_encoder=args.enable_chunked_encoder,
                 encoder_unit_tokens=self.model.encoder_unit_tokens(),
                 fused_decode_rows=self.runner.fused_decode_rows,
+                fused_prefill_rows=self.runner.fused_prefill_rows,
             ),
             self.kv,
             self.encoder_cache,

@@ -63,6 +63,7 @@ class ModelRunner:
         ]
         self.encoder_outputs: dict[str, torch.Tensor] = {}
         self._fused_rows = 0
+        self._kernel_rows = 0  # most rows one fused forward takes
         self.fused_decoder = self._build_fused_decoder()
         # decode rows of mixed steps: engine.kernels' paged attention (bf16 CPU)
         self._native_attention = (
@@ -71,6 +72,7 @@ class ModelRunner:
             and device.type == "cpu"
         )
         self.fused_decode_steps = 0
+        self.fused_prefill_steps = 0  # steps with prompt tokens run by the fused kernel
         self._bitmask: BitmaskApplier | None = None  # built on the first constrained row
 
     # decode-only steps of up to this many rows run the fused kernel: its dot-product GEMV up
@@ -80,11 +82,30 @@ class ModelRunner:
     FUSED_DECODE_MAX_ROWS = 256
     GEMV_MAX_ROWS = 4
     UNPACKED_MAX_ROWS = 16
+    # steps with prompt tokens run the fused kernel too while their rows (decodes + prompt
+    # tokens) fit its GEMV: a prompt row is then one more row over weights read once, not an
+    # eager forward (per-op overhead, and in bf16 without bf16 arithmetic a widening of every
+    # weight), so a few camera tokens ride beside chat decodes for little more than their
+    # FLOPs. Each new token is one kernel row attending to its own context length: the keys
+    # of the whole step are stored before any row attends, so the chunk stays causal. The
+    # kernel takes more rows where it has panels or packed weights (``max_rows``), but past
+    # 16 its prompt rows cost as much as an eager chunk's tokens (2-core AVX2 EPYC, bench,
+    # 1,200-token prompt: 3.7 ms a token fused at 16 and 3.6 at 64 rows, eager 3.1 at 65 and
+    # 2.0 at 256), since each row reads its whole context's keys.
+    FUSED_PREFILL_MAX_ROWS = 16
 
     @property
     def fused_decode_rows(self) -> int:
         """Most decodes a step may hold and still run the fused kernel (0: no kernel)."""
         return self._fused_rows if self.fused_decoder is not None else 0
+
+    @property
+    def fused_prefill_rows(self) -> int:
+        """Most rows (decodes + prompt tokens) a step with prompt tokens may hold and still
+        run the fused kernel (0: such steps run eager)."""
+        if self.fused_decoder is None:
+            return 0
+        return min(self.FUSED_PREFILL_MAX_ROWS, self._kernel_rows)
 
     def _build_fused_decoder(self):
         weights = getattr(self.model, "decode_kernel_weights_hp", None)
@@ -103,8 +124,9 @@ class ModelRunner:
             self.FUSED_DECODE_MAX_ROWS if packed is not None else self.UNPACKED_MAX_ROWS
         )
         text = self.model.text_config
+        scales = getattr(self.model, "decode_kernel_scales", None)  # int8 weights
         try:
-            return kernels.FusedDecoder(
+            decoder = kernels.FusedDecoder(
                 layers,
                 weights[-2],
                 weights[-1],
@@ -114,10 +136,14 @@ class ModelRunner:
                 self.model.head_dim,
                 float(text.rms_norm_eps),
                 self.GEMV_MAX_ROWS,
+                **({} if scales is None else {"scales": scales}),
             )
         except RuntimeError as exc:  # a shape the kernel does not take: eager decode
             log.warning("fused CPU decode off for this model: %s", exc)
             return None
+        # older builds have no max_rows(): the row-major kernel's limit
+        self._kernel_rows = int(getattr(decoder, "max_rows", lambda: self.UNPACKED_MAX_ROWS)())
+        return decoder
 
     @staticmethod
     def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
@@ -172,15 +198,11 @@ class ModelRunner:
         chunks = sched.chunks
         if self._fused_decode_applies(chunks):
             return self._sample(self._fused_decode_logits(chunks), chunks)
-        ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
+        if self._fused_prefill_applies(chunks):
+            logits, sampled_chunks = self._fused_step_logits(chunks)
+            return self._sample(logits, sampled_chunks) if sampled_chunks else {}
         positions = torch.cat([c.positions for c in chunks], dim=1)
-        hidden = self.model.embed(ids.to(self.device))
-        row = 0
-        for c in chunks:
-            for content_hash, lo, hi, offset in c.image_slices:
-                emb = self.encoder_outputs[content_hash]
-                hidden[row + offset : row + offset + (hi - lo)] = emb[lo:hi]
-            row += c.num_tokens
+        hidden = self._input_embeddings(chunks)
         meta = build_attention_metadata(
             [c.block_table for c in chunks],
             [c.start for c in chunks],
@@ -201,6 +223,49 @@ class ModelRunner:
         if not sample_rows:
             return {}
         return self._sample(self.model.logits(hidden[sample_rows]), sampled_chunks)
+
+    def _input_embeddings(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Token embeddings of the step's rows, image placeholders replaced by the encoder's
+        output for them."""
+        ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
+        hidden = self.model.embed(ids.to(self.device))
+        row = 0
+        for c in chunks:
+            for content_hash, lo, hi, offset in c.image_slices:
+                emb = self.encoder_outputs[content_hash]
+                hidden[row + offset : row + offset + (hi - lo)] = emb[lo:hi]
+            row += c.num_tokens
+        return hidden
+
+    def _fused_prefill_applies(self, chunks: list[ScheduledChunk]) -> bool:
+        return (
+            self.fused_prefill_rows > 0
+            and sum(c.num_tokens for c in chunks) <= self.fused_prefill_rows
+        )
+
+    def _fused_step_logits(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[torch.Tensor, list[ScheduledChunk]]:
+        """A step with prompt tokens as one native call: every new token is a kernel row with
+        its chunk's block table and its own context length. Returns the logits of the rows
+        that sample, and their chunks."""
+        positions = torch.cat([c.positions for c in chunks], dim=1)
+        cos, sin = self.model.rotary.cos_sin(positions, self.dtype)
+        tables = padded_block_tables([c.block_table for c in chunks for _ in range(c.num_tokens)])
+        lengths = torch.tensor(
+            [c.start + i + 1 for c in chunks for i in range(c.num_tokens)], dtype=torch.long
+        )
+        self.fused_prefill_steps += 1
+        logits = self.fused_decoder.forward(
+            self._input_embeddings(chunks), cos, sin, tables, lengths, self.block_size
+        )
+        rows, sampled_chunks, row = [], [], 0
+        for c in chunks:
+            row += c.num_tokens
+            if c.sample:
+                rows.append(row - 1)
+                sampled_chunks.append(c)
+        return logits[rows], sampled_chunks
 
     def _fused_decode_applies(self, chunks: list[ScheduledChunk]) -> bool:
         return (

@@ -120,9 +120,14 @@ def plan_platform(
     if quantization is not None and not on_cpu:
         raise ValueError(f"--quantization {quantization} runs on CPU only for now")
     variant = cpu_variant() if on_cpu else None
-    # the fused decode step reads 16-bit weights: int8 decodes eager (with its own GEMV)
+    # the fused decode step keeps bf16 activations and reads bf16 or int8 weights (int8 with
+    # fp32 activations, --dtype float32, decodes eager with engine/kernels/int8_linear.cpp)
     use_kernels = (
-        on_cpu and dtype == torch.bfloat16 and cpu_kernels and quantization is None and variant
+        on_cpu
+        and dtype == torch.bfloat16
+        and cpu_kernels
+        and quantization in (None, "int8")
+        and variant
     )
     emulated = on_cpu and dtype == torch.bfloat16 and not bf16_arithmetic
     # no oneDNN bf16 packing is needed where bf16 is emulated (AVX2 CPUs have none): the

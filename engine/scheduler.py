@@ -106,6 +106,8 @@ class SchedulerConfig:
     encoder_unit_tokens: float = 0.01
     # decode-only steps of up to this many rows run the fused CPU kernel (0: no kernel)
     fused_decode_rows: int = 0
+    # steps with prompt tokens run it too, up to this many rows in all (0: never)
+    fused_prefill_rows: int = 0
 
     @property
     def limits(self) -> StepLimits:
@@ -270,6 +272,7 @@ class Scheduler:
             self.config.fused_decode_rows,
             self.kv.block_size,
             self.config.encoder_unit_tokens,
+            self.config.fused_prefill_rows,
         )
 
     def _fit_or_defer(self, req: Request, start: int, n: int, budget: StepBudget) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.cost_model import StepCostModel, StepFeatures, chunk_attention_units
@@ -58,13 +59,16 @@ class StepBudget:
         fused_decode_rows: int = 0,
         block_size: int = 16,
         encoder_unit_tokens: float = 0.01,
+        fused_prefill_rows: int = 0,
     ) -> None:
         self.limits = limits
         self.cost_model = cost_model
         self.block_size = block_size
         self.encoder_unit_tokens = encoder_unit_tokens
         self.tokens_left = limits.max_tokens
-        self.features = StepFeatures(fused_decode_rows=fused_decode_rows)
+        self.features = StepFeatures(
+            fused_decode_rows=fused_decode_rows, fused_prefill_rows=fused_prefill_rows
+        )
         self.limit_s: float | None = None  # set by open_prefill
         self.itl_target_s: float | None = None
 
@@ -110,13 +114,14 @@ class StepBudget:
             return None
         if value != AUTO:
             return float(value)
-        # priced as an eager forward: any step that carries prefill runs eager, so a limit under
-        # that (the fused decode-only step's) would admit no prefill at all
-        decodes = self.features if self.features.decode_tokens else StepFeatures(decode_tokens=1)
-        eager = dataclasses.replace(
-            decodes, force_eager=True, fused_decode_rows=self.features.fused_decode_rows
-        )
-        return max(floor, factor * self.cost_model.predict(eager))
+        # priced as the decodes would run with a prompt token beside them: in the fused kernel
+        # while it still has a row to spare (prompt work then costs only its rows), else as an
+        # eager forward, which a limit priced on the fused decode-only step would never admit
+        f = self.features
+        decodes = f if f.decode_tokens else dataclasses.replace(f, decode_tokens=1)
+        mixed_fused = decodes.decode_tokens < f.fused_prefill_rows
+        priced = dataclasses.replace(decodes, force_eager=not mixed_fused)
+        return max(floor, factor * self.cost_model.predict(priced))
 
     @property
     def predicted_s(self) -> float:
@@ -138,19 +143,36 @@ class StepBudget:
             # the fit has not separated prefill cost yet: a prediction would call any chunk free
             return min(n, self.block_size)
 
-        def fits(k: int) -> bool:
-            return self.cost_model.predict(self.features.plus(_chunk(start, k))) <= self.limit_s
+        def cost(k: int) -> float:
+            return self.cost_model.predict(self.features.plus(_chunk(start, k)))
 
-        if fits(n):
-            return n
-        lo, hi = 0, n  # fits(lo) holds (lo = 0: nothing), fits(hi) fails
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        if cost(n) <= self.limit_s:
+            k = n
+        else:
+            lo, hi = 0, n  # cost(lo) fits (lo = 0: nothing), cost(hi) does not
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if cost(mid) <= self.limit_s:
+                    lo = mid
+                else:
+                    hi = mid
+            k = lo
+        return self._better_fused(k, cost)
+
+    def _better_fused(self, k: int, cost: Callable[[int], float]) -> int:
+        """A chunk that would push the step out of the fused kernel is cut back to the rows
+        the kernel still takes when that is more prompt tokens per predicted second: past its
+        last row a step pays the eager path's floor, which a few more tokens rarely repay."""
+        f = self.features
+        spare = f.fused_prefill_rows - f.prefill_tokens - f.decode_tokens
+        if not f.fused_decode_rows or spare <= 0 or k <= spare:
+            return k
+        base = self.predicted_s
+        gain_fused = cost(spare) - base
+        gain_eager = cost(k) - base
+        if gain_fused <= 0 or spare / gain_fused >= k / max(gain_eager, 1e-9):
+            return spare
+        return k
 
     def add_chunk(self, start: int, n: int) -> None:
         self.tokens_left -= n

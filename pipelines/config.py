@@ -24,6 +24,8 @@ from pipelines.notify.config import NotifyConfig
 
 ENV_PREFIX = "VS_"
 CAMERA_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# a clip camera's ring buffer keeps at most this many frames of its window (memory bound)
+CLIP_MAX_WINDOW_FRAMES = 256
 URL_SCHEMES = ("rtsp", "rtsps", "rtmp", "http", "https", "file", "udp", "tcp", "srt")
 
 
@@ -87,7 +89,13 @@ def parse_polygons(value: Any) -> list[list[Point]]:
 
 class ZoneConfig(Section):
     """A named polygon of one camera (Frigate's ``zones``). A detection is in the zone when
-    the bottom centre of its box (where a person stands) is inside the polygon."""
+    the bottom centre of its box (where a person stands) is inside the polygon.
+
+    ``inertia`` and ``loitering_time`` (Frigate's names and defaults) judge a *tracked*
+    object over its frames (``pipelines.presence``): it is in the zone once its feet were
+    inside for ``inertia`` frames in a row and it stayed ``loitering_time`` seconds. They
+    need track ids: on a camera gated per frame each detection is judged on its own frame
+    (as with ``inertia: 1``), and setting either there is a configuration error."""
 
     coordinates: list[Point] = Field(
         description="'x1,y1,x2,y2,...' or [[x, y], ...]: relative 0-1, or pixels"
@@ -95,16 +103,51 @@ class ZoneConfig(Section):
     objects: list[str] = Field(
         default_factory=list, description="labels that count in this zone; empty: all"
     )
+    inertia: int = Field(
+        3,
+        ge=1,
+        description="frames in a row a tracked object's feet are inside before it is in the "
+        "zone, and outside before it has left it (1: at once); tracked cameras only",
+    )
+    loitering_time: float = Field(
+        0,
+        ge=0,
+        description="seconds a tracked object must stay in the zone before it counts (0: at "
+        "once); tracked cameras only",
+    )
 
     @field_validator("coordinates", mode="before")
     @classmethod
     def _polygon(cls, value: Any) -> list[Point]:
         return parse_polygon(value)
 
+    @property
+    def timed(self) -> bool:
+        """Set to judge objects over several frames (what a per-frame gate cannot do)."""
+        inertia = "inertia" in self.model_fields_set and self.inertia > 1
+        return inertia or self.loitering_time > 0
+
     @field_validator("objects", mode="before")
     @classmethod
     def _labels(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
+
+
+def zone_timing_without_tracks(zones: dict[str, ZoneConfig]) -> str | None:
+    """Why a camera gated per frame cannot have these zones: ``inertia`` > 1 or
+    ``loitering_time`` set counts one object's frames, and a per-frame gate has no track ids
+    to tell whose frames they are. An error rather than a warning: a zone that silently
+    ignores its settings describes people its owner meant to wait for. The default inertia
+    (not written in the file) stays quiet: per-frame cameras judge each frame on its own."""
+    for name, zone in zones.items():
+        if zone.timed:
+            field = "loitering_time" if zone.loitering_time > 0 else "inertia"
+            return (
+                f"zones.{name}.{field}: counts a tracked object's frames, and this camera's "
+                "gate is per frame (describe_on: [frame]: no track ids); set gate.describe_on "
+                f"to track events such as [track_start], or remove {field}"
+            )
+    return None
 
 
 class FilterConfig(Section):
@@ -156,23 +199,61 @@ class GateOverrides(Section):
     interval_s: float | None = Field(None, gt=0)
 
 
+ClipFormat = Literal["frames", "video_url", "images"]
+
+
 class CameraDescriberConfig(Section):
     """What the VLM sees of this camera's frames: the whole ``frame``, a padded ``crop``
     around the boxes that triggered the description (the union of the triggering tracks),
-    or the bounding rectangle of the zones (the required ones, else all: ``zone``). A smaller
-    image is fewer image tokens."""
+    the bounding rectangle of the zones (the required ones, else all: ``zone``), or a
+    ``clip``: ``clip_frames`` frames sampled evenly over the last ``clip_seconds`` in which
+    the triggering tracks were seen (per-frame gating: the camera's last frames), sent as one
+    video and cropped to the padded union of those tracks' boxes over the clip unless
+    ``clip_crop`` is false. A smaller image is fewer image tokens; motion needs a clip."""
 
-    view: Literal["frame", "crop", "zone"] = "frame"
+    view: Literal["frame", "crop", "zone", "clip"] = "frame"
     crop_padding: float = Field(
         0.25, ge=0, le=4, description="crop: margin added on each side, as a share of the box"
     )
     min_crop: int = Field(96, ge=16, description="crop: smallest side in pixels")
+    clip_frames: int = Field(
+        8,
+        ge=2,
+        le=32,
+        description="clip: frames in the clip (our server takes at most --max-video-frames, "
+        "8 by default)",
+    )
+    clip_seconds: float | None = Field(
+        None,
+        gt=0,
+        le=120,
+        description="clip: how far back the clip reaches; default clip_frames / fps (the "
+        "last clip_frames sampled frames)",
+    )
+    clip_crop: bool = Field(
+        True, description="clip: crop to the padded union of the tracks' boxes over the clip"
+    )
     response_schema: dict[str, Any] | None = Field(
         None,
         description="a JSON schema of the fields to get for this camera's frames (people "
         "count, activity, threat level ...): sent as response_format json_schema (strict), "
         "and the parsed answer is stored as the event's structured fields and published",
     )
+
+    @model_validator(mode="after")
+    def _clip_settings_need_the_clip_view(self) -> CameraDescriberConfig:
+        # a setting left at its default is no mistake (a dumped config carries them all)
+        fields = type(self).model_fields
+        stray = sorted(
+            name
+            for name in ("clip_frames", "clip_seconds", "clip_crop")
+            if name in self.model_fields_set and getattr(self, name) != fields[name].default
+        )
+        if stray and self.view != "clip":
+            raise ValueError(
+                f"{', '.join(stray)}: only used with view: clip (view is {self.view!r})"
+            )
+        return self
 
     @field_validator("response_schema")
     @classmethod
@@ -213,7 +294,36 @@ class CameraConfig(Section):
                 raise ValueError(f"required_zones: no zone named {name!r} (zones: {known})")
         if self.describer.view == "zone" and not self.zones:
             raise ValueError("describer.view: 'zone' needs at least one entry in zones")
+        if self.describer.view == "clip":
+            self._clip_fits_the_rate()
         return self
+
+    def _clip_fits_the_rate(self) -> None:
+        """The clip's window must hold ``clip_frames`` sampled frames, and the camera's ring
+        buffer (``pipelines.clips``) must stay small."""
+        d = self.describer
+        if d.clip_seconds is None:
+            return
+        held = d.clip_seconds * self.fps
+        if held + 1e-9 < d.clip_frames:
+            raise ValueError(
+                f"describer.clip_seconds: {d.clip_seconds:g} s at fps {self.fps:g} holds "
+                f"{held:g} sampled frames, fewer than clip_frames {d.clip_frames}: raise "
+                f"clip_seconds to {d.clip_frames / self.fps:g} (or fps), or lower clip_frames"
+            )
+        if held > CLIP_MAX_WINDOW_FRAMES:
+            raise ValueError(
+                f"describer.clip_seconds: {d.clip_seconds:g} s at fps {self.fps:g} is "
+                f"{held:g} frames to keep; at most {CLIP_MAX_WINDOW_FRAMES} (lower "
+                "clip_seconds or fps)"
+            )
+
+    @property
+    def clip_seconds(self) -> float:
+        """How far back a clip of this camera reaches (``describer.clip_seconds`` or
+        ``clip_frames`` sampled frames)."""
+        d = self.describer
+        return d.clip_seconds if d.clip_seconds is not None else d.clip_frames / self.fps
 
     @field_validator("id")
     @classmethod
@@ -288,7 +398,11 @@ class GateConfig(Section):
         "(again every interval_s while it stays)",
     )
     min_frames: int = Field(
-        3, ge=1, description="frames a track is seen (in a required zone) to be significant"
+        3,
+        ge=1,
+        description="frames a track is seen (anywhere) to be significant; with required "
+        "zones, a track is described once it is significant and in one of them (the zone's "
+        "inertia and loitering_time)",
     )
     max_descriptions: int = Field(3, ge=1, description="descriptions per track at most")
     lost_frames: int = Field(10, ge=1, description="frames unseen before a track has ended")
@@ -319,6 +433,12 @@ class TrackerConfig(Section):
     new_track_thresh: float | None = Field(None, ge=0, le=1)
     track_buffer: int | None = Field(None, ge=1, description="frames a lost track is kept")
     match_thresh: float | None = Field(None, ge=0, le=1)
+    fuse_score: bool | None = Field(
+        None,
+        description="match on IoU x detection score (Ultralytics' default: true); a detector "
+        "whose scores sit near its threshold (a small trained one) needs false, or a track's "
+        "second frame never matches it and the track never confirms",
+    )
     gmc_method: str | None = Field(
         "none", description="botsort: camera-motion compensation; fixed cameras need none"
     )
@@ -343,6 +463,12 @@ class QueueConfig(Section):
     max_frame_age_s: float = Field(60.0, gt=0, description="older frames expire unsent")
     jpeg_quality: int = Field(85, ge=10, le=100)
     max_image_side: int = Field(1280, ge=64, description="larger frames are downscaled")
+    max_clip_bytes: int = Field(
+        8 * 1024 * 1024,
+        ge=64 * 1024,
+        description="a clip's JPEGs together (describer.view: clip); a larger clip is not "
+        "enqueued, counted dropped:clip_too_large",
+    )
     local_buffer: int = Field(64, ge=1, description="frames held while Redis is unreachable")
     dedupe_prefix: str = "vs:enqueued:"
     producer_prefix: str = "vs:producer:"
@@ -385,6 +511,9 @@ class EndpointConfig(Section):
     )
     health_url: str | None = None
     metrics_url: str | None = None
+    clip_format: ClipFormat | None = Field(
+        None, description="how clips go to this endpoint (default: describer.clip_format)"
+    )
 
     @field_validator("base_url")
     @classmethod
@@ -440,6 +569,12 @@ class DescriberConfig(Section):
         ge=1,
         description="frames are downscaled to at most this many pixels before sending (image "
         "tokens scale with pixels); None sends them as queued",
+    )
+    clip_format: ClipFormat = Field(
+        "frames",
+        description="how a clip (describer.view: clip) is sent: frames = one video part "
+        "listing frame data URLs (vision-serve); video_url = one MP4 data URL (vLLM); images "
+        "= one image_url part per frame (servers without video input, e.g. llama.cpp)",
     )
     max_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0.0)
@@ -616,6 +751,16 @@ class PipelineConfig(BaseSettings):
             except ValidationError as exc:
                 why = "; ".join(e["msg"] for e in exc.errors())
                 raise ValueError(f"cameras: {camera.id!r}: gate: {why}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _zone_timing_needs_tracks(self) -> PipelineConfig:
+        # after _unique_camera_ids: every camera's gate resolves
+        for camera in self.cameras:
+            if not self.gate_for(camera.id).tracks:
+                problem = zone_timing_without_tracks(camera.zones)
+                if problem:
+                    raise ValueError(f"cameras: {camera.id!r}: {problem}")
         return self
 
     def camera(self, camera_id: str) -> CameraConfig | None:

@@ -12,6 +12,10 @@ Delivery contract (why each piece exists):
 - Each reclaim counts a delivery; past ``max_deliveries`` (a frame that keeps killing its
   workers) it goes to the dead-letter stream instead.
 - Frames older than ``max_frame_age_s`` are acknowledged as expired, never sent.
+- A clip entry (``describer.view: clip``) is one frame for all of the above: its frames
+  come from its clip key (``queue.encode_clip``), go out as one video part (``vlm``), and
+  the clip key is deleted with the result; the ``image`` key (the clip's last frame) stays
+  as the event's snapshot.
 - Several endpoints (``describer.endpoints``, ``pipelines.endpoints``): each request goes to
   the least loaded endpoint in rotation. One that is down (refused, timeout, 429, 503...) is
   taken out of rotation and the frame is sent to another at once -- the endpoint's failure,
@@ -46,7 +50,13 @@ from pipelines.config import PipelineConfig
 from pipelines.endpoints import EndpointPool
 from pipelines.logs import kv
 from pipelines.queue import COMMIT_LUA
-from pipelines.vlm import EndpointUnavailable, FrameRejected, ServerError, frame_request
+from pipelines.vlm import (
+    EndpointUnavailable,
+    FrameRejected,
+    ServerError,
+    frame_request,
+    split_clip,
+)
 from pipelines.worker import REDIS_DOWN, RedisWorker, Stopping, connect_async, renew_claims
 
 log = logging.getLogger(__name__)
@@ -315,11 +325,22 @@ class Describer(RedisWorker):
             await self._finish(entry_id, fields, "expired", "max_age")
             return
         image_key = fields.get("image", "")
-        jpeg = await self.with_redis(lambda: self.redis.get(image_key))
-        if jpeg is None:  # its TTL ran out before a worker got to it
+        clip_key = fields.get("clip", "")
+        if clip_key:
+            jpeg, blob = await self.with_redis(lambda: self.redis.mget([image_key, clip_key]))
+        else:
+            jpeg, blob = await self.with_redis(lambda: self.redis.get(image_key)), None
+        if jpeg is None or (clip_key and blob is None):  # TTL ran out before a worker came
             await self._finish(entry_id, fields, "expired", "image_gone")
             return
-        jpeg, prompt = await frame_request(self.config, jpeg, fields)
+        clip = None
+        if blob is not None:
+            try:
+                clip = split_clip(blob, fields.get("clip_sizes", ""))
+            except ValueError as exc:
+                await self._finish(entry_id, fields, "dead", "rejected", str(exc))
+                return
+        media, prompt = await frame_request(self.config, jpeg, fields, clip)
         camera_cfg = self.config.camera(camera)
         schema = camera_cfg.describer.response_schema if camera_cfg is not None else None
         backoff = Backoff(self.d.backoff_initial_s, self.d.backoff_max_s)
@@ -336,7 +357,7 @@ class Describer(RedisWorker):
                 await self._wait_for_endpoint(min(backoff.next_delay(), left + 0.01))
                 continue
             try:
-                text, info = await self.pool.describe(endpoint, jpeg, prompt, left, schema)
+                text, info = await self.pool.describe(endpoint, media, prompt, left, schema)
                 break
             except EndpointUnavailable as exc:  # the endpoint's failure: try another at once
                 error = exc
@@ -363,6 +384,7 @@ class Describer(RedisWorker):
             "text": text,
             "model": str(info["model"]),
             "completion_tokens": str(info["completion_tokens"]),
+            "prompt_tokens": str(info.get("prompt_tokens", 0)),
             "vlm_seconds": f"{info['vlm_seconds']:.3f}",
             "persons": fields.get("persons", "0"),
             "boxes": fields.get("boxes", "[]"),
@@ -370,6 +392,9 @@ class Describer(RedisWorker):
             "worker": self.consumer,
             "endpoint": str(info.get("endpoint", "")),
         }
+        if clip is not None:
+            result["clip_frames"] = str(len(clip))
+            result["clip_seconds"] = fields.get("clip_seconds", "")
         if schema is not None:
             structured = structured_fields(text)
             if structured is None:  # cut by max_tokens, or an endpoint that ignored the schema
@@ -377,7 +402,7 @@ class Describer(RedisWorker):
                 log.warning(kv("structured_answer_invalid", camera=camera, frame=entry_id))
             else:
                 result["structured"] = structured
-        if await self._finish(entry_id, result, "described", "ok"):
+        if await self._finish(entry_id, result, "described", "ok", clip_key=clip_key):
             metrics.DESCRIBE_LATENCY.observe(now - ts)
 
     async def _wait_for_endpoint(self, timeout: float) -> None:
@@ -394,9 +419,16 @@ class Describer(RedisWorker):
             raise Stopping
 
     async def _finish(
-        self, entry_id: str, fields: dict[str, str], outcome: str, reason: str, detail: str = ""
+        self,
+        entry_id: str,
+        fields: dict[str, str],
+        outcome: str,
+        reason: str,
+        detail: str = "",
+        clip_key: str = "",
     ) -> bool:
-        """Acknowledge and record atomically; False when another worker already had."""
+        """Acknowledge and record atomically; False when another worker already had.
+        ``clip_key`` (else ``fields["clip"]``): the clip's key, deleted with the result."""
         camera = fields.get("camera", "?")
         if outcome == "described":
             out_stream, stat, maxlen = (
@@ -427,6 +459,9 @@ class Describer(RedisWorker):
         image_key = fields.get("image", "")
         if outcome != "described" and image_key:
             keys.append(image_key)
+        clip_key = clip_key or fields.get("clip", "")
+        if clip_key:  # the snapshot (image) is all an event keeps of a clip
+            keys.append(clip_key)
         acked = await self.with_redis(lambda: self._commit_script(keys=keys, args=args))
         if not acked:
             self._count(entry_id, camera, "duplicate", reason)

@@ -62,6 +62,13 @@ class DetectorBuild:
     total_s: float
     reused: bool = False
 
+    def tracker_settings(self) -> dict[str, Any]:
+        """The ``tracker:`` fields this detector needs. Its scores sit near its threshold
+        (0.1-0.4 where COCO weights give 0.6-0.9): ByteTrack's default IoU x score matching
+        (``fuse_score``) then never confirms a track's second frame, and its 0.25 bar for a
+        new track leaves many people untracked; both follow this operating threshold."""
+        return {"fuse_score": False, "track_high_thresh": self.conf, "new_track_thresh": self.conf}
+
     def summary(self) -> str:
         state = "reused" if self.reused else f"built in {self.total_s:.0f}s"
         return (

@@ -41,7 +41,7 @@ from pipelines import metrics
 from pipelines.backoff import Backoff
 from pipelines.config import DescriberConfig, EndpointConfig
 from pipelines.logs import kv
-from pipelines.vlm import EndpointUnavailable, FrameRejected, ServerError, VLMClient
+from pipelines.vlm import ClipMedia, EndpointUnavailable, FrameRejected, ServerError, VLMClient
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ class EndpointPool:
     async def describe(
         self,
         ep: Endpoint,
-        jpeg: bytes,
+        media: bytes | ClipMedia,
         prompt: str,
         deadline_s: float | None,
         response_schema: dict[str, Any] | None = None,
@@ -173,7 +173,7 @@ class EndpointPool:
         ep.sent_since_read += 1
         metrics.ENDPOINT_INFLIGHT.labels(ep.name).set(ep.inflight)
         try:
-            text, info = await ep.client.describe(jpeg, prompt, deadline_s, response_schema)
+            text, info = await ep.client.describe(media, prompt, deadline_s, response_schema)
         except EndpointUnavailable as exc:
             self._outcome(ep, "unavailable")
             self._down(ep, "request", exc)
@@ -197,6 +197,35 @@ class EndpointPool:
         ep.backoff.reset()
         info["endpoint"] = ep.name
         return text, info
+
+    async def describe_now(
+        self,
+        media: bytes | ClipMedia,
+        prompt: str,
+        response_schema: dict[str, Any] | None = None,
+    ) -> tuple[str, dict[str, Any]]:
+        """One answer for a caller that cannot wait for an endpoint to come back (a person
+        pressing "describe again"): each endpoint in rotation (or due a trial) is tried at
+        most once, least loaded first, and one that is down moves the request on at once.
+
+        Raises ``FrameRejected`` at once (the request's fault, not the endpoint's), the last
+        ``ServerError`` when some endpoint answered with one, else ``EndpointUnavailable``
+        (every endpoint refused, timed out, or is out of rotation)."""
+        tried: set[str] = set()
+        server_error: ServerError | None = None
+        unavailable = EndpointUnavailable("no endpoint in rotation")
+        while (ep := self.pick(frozenset(tried))) is not None:
+            if ep.name in tried:  # pick offers an avoided one only when nothing else is left
+                ep.trial_open = False
+                break
+            tried.add(ep.name)
+            try:
+                return await self.describe(ep, media, prompt, None, response_schema)
+            except EndpointUnavailable as exc:
+                unavailable = exc
+            except ServerError as exc:
+                server_error = exc
+        raise server_error or unavailable
 
     def _outcome(self, ep: Endpoint, outcome: str) -> None:
         metrics.ENDPOINT_REQUESTS.labels(ep.name, outcome).inc()

@@ -9,10 +9,18 @@ and is counted, so "why was nothing described?" has an answer.
 
 With ``describe_on`` naming track events, a camera is gated per tracked object instead
 (``TrackGate``): someone standing in view for an hour is one description (``track_start``,
-once the track is significant: seen ``min_frames`` frames in a row, inside a required zone if
-the camera has any), optionally a last one when they leave (``track_end``, after
+once the track is *qualified*), optionally a last one when they leave (``track_end``, after
 ``lost_frames`` frames unseen, with the last frame they were seen in) and one every
-``interval_s`` while they stay (``interval``) -- never more than ``max_descriptions``.
+``interval_s`` while they stay in (``interval``) -- never more than ``max_descriptions``.
+
+Qualified = significant and placed. Significant: the track was seen in ``min_frames`` frames
+(anywhere: is this a real object the tracker follows, or a flicker?). Placed, when the camera
+has ``required_zones``: the track is in one of them by that zone's ``inertia`` and
+``loitering_time`` (``pipelines.presence``: is it really there, and staying?). The two count
+from the track's first frame side by side, so with both at 3 a person who walks into the
+zone is described on their third frame there, and one who walked elsewhere first on their
+third frame inside; ``min_frames`` alone gates a camera without required zones. A track that
+never qualified is never described, not even when it ends.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from pipelines import metrics
 from pipelines.config import GateConfig
 from pipelines.detect import Detection
 from pipelines.ingest import Frame
+from pipelines.presence import Place, TrackZones
 from pipelines.zones import CameraZones
 
 
@@ -93,10 +102,11 @@ class Trigger:
 @dataclass
 class _Track:
     last_index: int  # the camera's frame number when last seen
+    zones: TrackZones  # where it is, by the zones' inertia and loitering_time
     frame: Frame | None = None  # the last frame it was seen in (for track_end)
     detection: Detection | None = None
-    streak: int = 0  # frames in a row seen (inside a required zone, if any)
-    significant_at: float | None = None
+    seen: int = 0  # frames it was seen in
+    qualified_at: float | None = None  # first seen significant and in a required zone
     started: bool = False  # track_start sent
     described: int = 0
     last_described: float | None = None
@@ -155,21 +165,20 @@ class TrackGate:
                 continue
             track = self.tracks.get(det.track_id)
             if track is None:
-                track = self.tracks[det.track_id] = _Track(self.index)
+                zones = TrackZones(self.zones.zones)
+                track = self.tracks[det.track_id] = _Track(self.index, zones)
             track.last_index, track.frame, track.detection = self.index, frame, det
             track.ended = False
-            if self.zones.in_required(det, size):
-                track.streak += 1
-            else:
-                track.streak = 0
-                reasons.add("outside_zones")
-            if track.significant_at is None:
-                if track.streak < cfg.min_frames:
-                    reasons.add("not_significant")
-                    continue
-                track.significant_at = now
-            if track.streak == 0:
-                continue  # significant once, but out of the required zones now
+            track.seen += 1
+            place = self._place(track, det, size, now)
+            if track.seen < cfg.min_frames:
+                reasons.add("not_significant")
+                continue
+            if place != "in":
+                reasons.add(PLACE_REASONS[place])  # not there (yet), or not any more
+                continue
+            if track.qualified_at is None:
+                track.qualified_at = now
             if track.described >= cfg.max_descriptions:
                 reasons.add("max_descriptions")
             elif self._due(track, now):
@@ -178,20 +187,28 @@ class TrackGate:
                 reasons.add("already_described")
         return due, _first(reasons, "no_tracks")
 
+    def _place(self, track: _Track, det: Detection, size: tuple[int, int], now: float) -> Place:
+        """Where the track is this frame as far as the gate cares: in a required zone (by
+        its inertia and loitering_time), on its way in, or outside; "in" without any."""
+        track.zones.update(self.zones.zones_of(det, size), now)
+        if not self.zones.required:
+            return "in"
+        return track.zones.place_among(self.zones.required)
+
     def _due(self, track: _Track, now: float) -> bool:
         if "track_start" in self.events and not track.started:
             return True
         return "interval" in self.events and self._interval_due(track, now)
 
     def _interval_due(self, track: _Track, now: float) -> bool:
-        since = track.last_described if track.last_described is not None else track.significant_at
+        since = track.last_described if track.last_described is not None else track.qualified_at
         # without track_start, the first interval description comes interval_s after the
-        # track became significant
+        # track qualified
         return since is not None and now - since >= self.config.interval_s
 
     def _ended(self) -> list[Trigger]:
         """Tracks unseen for ``lost_frames`` frames have ended: a ``track_end`` description
-        of each significant one (grouped by the frame they were last seen in); tracks long
+        of each one that qualified (grouped by the frame they were last seen in); tracks long
         gone are forgotten."""
         cfg = self.config
         groups: dict[int, list[tuple[int, _Track]]] = {}
@@ -201,7 +218,7 @@ class TrackGate:
                 track.ended = True
                 if (
                     "track_end" in self.events
-                    and track.significant_at is not None
+                    and track.qualified_at is not None
                     and track.described < cfg.max_descriptions
                     and track.frame is not None
                 ):
@@ -233,8 +250,17 @@ class TrackGate:
 # (it keeps lost tracks for its own track_buffer): it then goes on, not described anew
 FORGET_AFTER_FRAMES = 300
 
+# why a significant track is not described this frame, by its place (``presence.Place``)
+PLACE_REASONS: dict[Place, str] = {
+    "loitering": "loitering",  # in a required zone, its loitering_time not yet spent
+    "inertia": "zone_inertia",  # feet inside, fewer than the zone's inertia frames so far
+    "outside": "outside_zones",
+}
+
 # when a frame has several reasons to be skipped, the one reported (most telling first)
 SKIP_ORDER = (
+    "loitering",
+    "zone_inertia",
     "outside_zones",
     "not_significant",
     "already_described",

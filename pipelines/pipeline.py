@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from pipelines import metrics
+from pipelines.clips import Clip, ClipBuffer
 from pipelines.config import CameraConfig, DetectorOverrides, PipelineConfig
 from pipelines.detect import Detection
 from pipelines.gate import Gate, TrackGate, Verdict
@@ -50,8 +51,11 @@ class CameraPipeline:
         self.gates: dict[str, Gate] = {}  # per-frame gating (a camera with overrides: its own)
         self.track_gates: dict[str, TrackGate] = {}
         self.trackers: dict[str, CameraTracker] = {}
+        self.clips: dict[str, ClipBuffer] = {}  # cameras with describer.view clip
         for cam in config.cameras:
             gate = config.gate_for(cam.id)
+            if cam.describer.view == "clip":
+                self.clips[cam.id] = self._clip_buffer(cam)
             if gate.tracks:
                 self.trackers[cam.id] = CameraTracker(cam.id, config.tracker)
                 self.track_gates[cam.id] = TrackGate(cam.id, gate, self.zones[cam.id])
@@ -74,6 +78,15 @@ class CameraPipeline:
         self.batches = 0
         self.detect_seconds = 0.0
         self._next_camera = 0
+
+    def _clip_buffer(self, camera: CameraConfig) -> ClipBuffer:
+        """The camera's ring: its clip window at its fps, and for ``track_end`` the frames
+        back to where an ended track was last seen."""
+        gate = self.config.gate_for(camera.id)
+        extra = gate.lost_frames if "track_end" in gate.describe_on else 0
+        capacity = ClipBuffer.window_capacity(camera.clip_seconds, camera.fps, extra)
+        q = self.config.queue
+        return ClipBuffer(capacity, q.max_image_side, q.jpeg_quality)
 
     def _count_drop(self, camera_id: str, reason: str) -> None:
         reader = self.readers.get(camera_id)
@@ -159,6 +172,9 @@ class CameraPipeline:
         metrics.CAMERA_PERSONS.labels(camera_id).set(len(dets))
         self.persons[camera_id] = len(dets)
         self.last_detections[camera_id] = dets
+        ring = self.clips.get(camera_id)
+        if ring is not None:
+            ring.add(frame, dets)
         return self._gate(frame, dets)
 
     def _follow(self, frame: Frame, dets: list[Detection]) -> list[Detection]:
@@ -203,6 +219,9 @@ class CameraPipeline:
         the boxes of the triggering tracks (or ``focus``) padded, or the zones."""
         camera = self.cameras.get(frame.camera_id)
         crop = None
+        if camera is not None and camera.describer.view == "clip":
+            clip = self._clip(camera, frame, dets, verdict, focus)
+            return Outgoing(frame, dets, verdict.reason, verdict.tracks, None, suffix, clip)
         if camera is not None and camera.describer.view != "frame":
             view = camera.describer
             size = (frame.image.shape[1], frame.image.shape[0])
@@ -215,6 +234,35 @@ class CameraPipeline:
                 if box is not None:
                     crop = padded_crop(box, size, view.crop_padding, view.min_crop)
         return Outgoing(frame, dets, verdict.reason, verdict.tracks, crop, suffix)
+
+    def _clip(
+        self,
+        camera: CameraConfig,
+        frame: Frame,
+        dets: list[Detection],
+        verdict: Verdict,
+        focus: list[Detection] | None,
+    ) -> Clip:
+        """The clip for a trigger on ``frame``: the camera's kept frames showing the
+        triggering tracks (per-frame gating: all of them) up to ``frame``, cropped to the
+        padded union of those tracks' boxes over the clip (per-frame gating: of every box,
+        the last frame's ``focus`` ones)."""
+        view = camera.describer
+        ring = self.clips[camera.id]
+        frames = ring.clip(frame, dets, verdict.tracks, view.clip_frames, camera.clip_seconds)
+        if not view.clip_crop:
+            return Clip(frames)
+        wanted = set(verdict.tracks)
+        boxes = [
+            d.box for f in frames[:-1] for d in f.detections if not wanted or d.track_id in wanted
+        ]
+        if focus is None:
+            focus = [d for d in dets if d.track_id in wanted] or dets
+        box = union([*boxes, *(d.box for d in focus)])
+        if box is None:
+            return Clip(frames)
+        size = (frame.image.shape[1], frame.image.shape[0])
+        return Clip(frames, padded_crop(box, size, view.crop_padding, view.min_crop))
 
     def _take_frames(self) -> list[Frame]:
         # round-robin start, so with more cameras than max_batch none is always last

@@ -7,6 +7,11 @@ Layout (names from ``QueueConfig``):
   enqueued before any describer started are not skipped).
 - ``frame:<frame_uid>`` string: the JPEG itself, with a TTL, so a stream that nobody drains
   cannot hold gigabytes of images.
+- ``frame:<frame_uid>:clip`` string, for a clip (``describer.view: clip``) only: its JPEGs
+  back to back, oldest first, at most ``max_clip_bytes``, with the same TTL; the entry names
+  it in ``clip`` and gives each JPEG's length in ``clip_sizes`` (``encode_clip``). The
+  ``image`` key then holds the clip's last frame: the event's snapshot. A worker deletes
+  the clip key with its result.
 - ``enqueued:<frame_uid>`` string: the stream entry id of an enqueued frame, kept as long as
   the frame may still be sent (``max(image_ttl_s, max_frame_age_s)``).
 - ``descriptions`` stream and ``latest:<camera>`` hash: results. Each entry appended to
@@ -42,9 +47,10 @@ Accounting: every enqueued frame has exactly one outcome, so at every instant
 Frames that never reach the stream are counted under their own names, outside the identity:
 ``refused_queue_full`` (the group's undelivered backlog is at ``maxlen``),
 ``dropped:<reason>`` (``buffer_full``, ``shutdown_unsent``, ``redis_refused``,
-``encode_failed``, ``expired``) and ``lost:crash`` (frames a killed pipeline held, from its
-producer record: its successor under the same instance name adds them at start). Drops
-counted while Redis is unreachable are kept in the process and added on the next contact.
+``encode_failed``, ``clip_too_large``, ``expired``) and ``lost:crash`` (frames a killed
+pipeline held, from its producer record: its successor under the same instance name adds
+them at start). Drops counted while Redis is unreachable are kept in the process and added
+on the next contact.
 ``trimmed`` counts acknowledged entries removed from the stream; it is not an outcome, and
 neither is ``appended:<stream>``.
 
@@ -73,6 +79,7 @@ import redis
 
 from pipelines import metrics
 from pipelines.backoff import Backoff
+from pipelines.clips import Clip, decode
 from pipelines.config import QueueConfig
 from pipelines.detect import Detection
 from pipelines.ingest import Frame
@@ -88,9 +95,9 @@ REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 IDENTITY = "enqueued == described + expired + dead + pending"
 
 ENQUEUE_LUA = """
--- KEYS: frames stream, image key, stats hash, dedupe key, producer record
+-- KEYS: frames stream, image key, stats hash, dedupe key, producer record[, clip key]
 -- ARGV: jpeg, image ttl s, maxlen, group, dedupe ttl s, run id, frames still buffered,
---       then field/value pairs of the entry
+--       clip blob ('' without a clip key), then field/value pairs of the entry
 -- returns {entry id ('' when refused), entries trimmed, 1 if the frame was already enqueued}
 local stream, stats, maxlen, group = KEYS[1], KEYS[3], tonumber(ARGV[3]), ARGV[4]
 if redis.call('HGET', KEYS[5], 'run') == ARGV[6] then
@@ -123,8 +130,9 @@ if lag >= maxlen then
   return {'', 0, 0}
 end
 redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
+if KEYS[6] then redis.call('SET', KEYS[6], ARGV[8], 'EX', ARGV[2]) end
 local fields = {}
-for i = 8, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 9, #ARGV do fields[#fields + 1] = ARGV[i] end
 local id = redis.call('XADD', stream, '*', unpack(fields))
 redis.call('SET', KEYS[4], id, 'EX', ARGV[5])
 redis.call('HINCRBY', stats, 'enqueued', 1)
@@ -153,7 +161,8 @@ return {id, trimmed, 0}
 """
 
 COMMIT_LUA = """
--- KEYS: frames stream, output stream, latest hash, stats hash[, image key to delete]
+-- KEYS: frames stream, output stream, latest hash, stats hash[, keys to delete: the image,
+--       a clip]
 -- ARGV: group, entry id, outcome (described|dead|expired), stats field, output maxlen,
 --       then field/value pairs of the output entry
 -- each appended output entry carries n: its number in that stream (appended:<stream>)
@@ -171,7 +180,7 @@ if ARGV[3] == 'described' then
   redis.call('HSET', KEYS[3], unpack(fields))
 end
 redis.call('HINCRBY', KEYS[4], ARGV[4], 1)
-if KEYS[5] then redis.call('DEL', KEYS[5]) end
+for i = 5, #KEYS do redis.call('DEL', KEYS[i]) end
 return 1
 """
 
@@ -356,6 +365,11 @@ class Outgoing:
     tracks: tuple[int, ...] = ()  # per-track gating: the tracks this description is for
     crop: tuple[int, int, int, int] | None = None  # x1, y1, x2, y2: the part of the frame sent
     suffix: str = ""  # a second send of one frame (track_end) gets its own frame_uid
+    clip: Clip | None = None  # describer.view clip: the frames to send (``frame`` is the last)
+
+
+class ClipTooLarge(ValueError):
+    """A clip's JPEGs exceed ``max_clip_bytes``: not enqueued, counted ``clip_too_large``."""
 
 
 def encode_entry(item: Outgoing, cfg: QueueConfig) -> tuple[bytes, dict[str, str]]:
@@ -413,6 +427,105 @@ def encode_entry(item: Outgoing, cfg: QueueConfig) -> tuple[bytes, dict[str, str
         fields["crop"] = json.dumps([ox, oy, ox + image.shape[1], oy + image.shape[0]])
         fields["frame_width"], fields["frame_height"] = str(full_w), str(full_h)
     return buf.tobytes(), fields
+
+
+def encode_clip(item: Outgoing, cfg: QueueConfig) -> tuple[bytes, dict[str, str], bytes]:
+    """A clip's snapshot JPEG (its last frame), the stream entry's fields and the clip blob
+    (every frame's JPEG back to back, oldest first), all cropped to ``clip.crop``.
+
+    The fields are a single frame's (``camera``, ``ts``, ``boxes`` ... of the last frame, in
+    the sent frames' coordinates) plus ``clip_sizes`` (each JPEG's length), ``clip_ts``
+    (seconds from the first frame), ``clip_seconds`` and, for per-track gating,
+    ``clip_tracks``: per triggering track its box in the first and last frame it is seen
+    in, and in how many. Raises ``ClipTooLarge`` past ``max_clip_bytes``.
+    """
+    clip = item.clip
+    assert clip is not None and clip.frames
+    last = clip.frames[-1]
+    full_w, full_h = last.size
+    scale = last.scale
+    jw, jh = max(1, round(full_w * scale)), max(1, round(full_h * scale))
+    region = (0, 0, full_w, full_h)
+    jpegs = [f.jpeg for f in clip.frames]
+    width, height = jw, jh
+    if clip.crop is not None:
+        x1, y1, x2, y2 = clip.crop
+        x1, y1 = max(0, min(x1, full_w - 1)), max(0, min(y1, full_h - 1))
+        x2, y2 = max(x1 + 1, min(x2, full_w)), max(y1 + 1, min(y2, full_h))
+        region = (x1, y1, x2, y2)
+        cx1, cy1 = math.floor(x1 * scale), math.floor(y1 * scale)
+        cx2, cy2 = max(cx1 + 1, math.ceil(x2 * scale)), max(cy1 + 1, math.ceil(y2 * scale))
+        jpegs = []
+        for frame in clip.frames:
+            part = decode(frame)[cy1:cy2, cx1:cx2]
+            ok, buf = cv2.imencode(".jpg", part, [cv2.IMWRITE_JPEG_QUALITY, cfg.jpeg_quality])
+            if not ok:
+                raise ValueError("JPEG encoding failed")
+            jpegs.append(buf.tobytes())
+        width, height = cx2 - cx1, cy2 - cy1
+    blob = b"".join(jpegs)
+    if len(blob) > cfg.max_clip_bytes:
+        raise ClipTooLarge(
+            f"clip of {len(jpegs)} frames is {len(blob)} bytes, over queue.max_clip_bytes "
+            f"{cfg.max_clip_bytes}: lower clip_frames, max_image_side or jpeg_quality"
+        )
+    boxes = _boxes_in(item.detections, region, scale)
+    fields = {
+        "camera": item.frame.camera_id,
+        "ts": f"{last.ts:.6f}",
+        "seq": str(last.seq),
+        "persons": str(len(item.detections)),
+        "boxes": json.dumps(boxes, separators=(",", ":")),
+        "width": str(width),
+        "height": str(height),
+        "gate": item.gate_reason,
+    }
+    if item.tracks:
+        fields["tracks"] = json.dumps(list(item.tracks))
+    if clip.crop is not None:
+        fields["crop"] = json.dumps(list(region))
+        fields["frame_width"], fields["frame_height"] = str(full_w), str(full_h)
+    first_ts = clip.frames[0].ts
+    fields["clip_sizes"] = ",".join(str(len(j)) for j in jpegs)
+    fields["clip_ts"] = json.dumps([round(f.ts - first_ts, 3) for f in clip.frames])
+    fields["clip_seconds"] = f"{clip.seconds:.3f}"
+    if item.tracks:
+        fields["clip_tracks"] = json.dumps(
+            _track_paths(clip, item.tracks, region, scale), separators=(",", ":")
+        )
+    return jpegs[-1], fields, blob
+
+
+def _boxes_in(
+    detections: Any, region: tuple[int, int, int, int], scale: float
+) -> list[dict[str, Any]]:
+    """Detections as entry boxes in a sent image showing ``region`` of the frame at
+    ``scale``: those wholly outside left out, the others clipped to it."""
+    x1, y1, x2, y2 = region
+    out = []
+    for det in detections:
+        bx1, by1, bx2, by2 = det.box
+        if not (bx1 < x2 and bx2 > x1 and by1 < y2 and by2 > y1):
+            continue
+        d = det.to_dict()
+        clipped = (max(bx1, x1) - x1, max(by1, y1) - y1, min(bx2, x2) - x1, min(by2, y2) - y1)
+        d["box"] = [round(v * scale, 1) for v in clipped]
+        out.append(d)
+    return out
+
+
+def _track_paths(
+    clip: Clip, tracks: tuple[int, ...], region: tuple[int, int, int, int], scale: float
+) -> dict[str, dict[str, Any]]:
+    """Per track: label, box in the first and last clip frame it is in, frames seen."""
+    out: dict[str, dict[str, Any]] = {}
+    for frame in clip.frames:
+        for box in _boxes_in([d for d in frame.detections if d.track_id in tracks], region, scale):
+            path = out.setdefault(str(box["track_id"]), {"label": box["label"], "frames": 0})
+            path.setdefault("first", box["box"])
+            path["last"] = box["box"]
+            path["frames"] += 1
+    return out
 
 
 class FrameQueue:
@@ -681,6 +794,9 @@ class FrameQueue:
         except redis.RedisError as exc:  # e.g. OOM: Redis refuses writes
             log.warning(kv("frame_refused", camera=camera, error=exc))
             self._drop(camera, "redis_refused")
+        except ClipTooLarge as exc:
+            log.warning(kv("clip_too_large", camera=camera, error=exc))
+            self._drop(camera, "clip_too_large")
         except ValueError as exc:
             log.warning(kv("frame_unencodable", camera=camera, error=exc))
             self._drop(camera, "encode_failed")
@@ -688,13 +804,20 @@ class FrameQueue:
             self._sending = 0
 
     def _send(self, item: Outgoing) -> None:
-        jpeg, fields = encode_entry(item, self.cfg)
+        blob = b""
+        if item.clip is not None:
+            jpeg, fields, blob = encode_clip(item, self.cfg)
+        else:
+            jpeg, fields = encode_entry(item, self.cfg)
         uid = self.item_uid(item)
         fields["frame_uid"] = uid
         image_key = f"{self.cfg.image_prefix}{uid}"
         fields["image"] = image_key
+        clip_key = f"{image_key}:clip"  # the image key's prefix: same cluster slot
+        if blob:
+            fields["clip"] = clip_key
         args: list[Any] = [jpeg, self.cfg.image_ttl_s, self.cfg.maxlen, self.cfg.group]
-        args += [self._dedupe_ttl, self.run_id, self.pending()]
+        args += [self._dedupe_ttl, self.run_id, self.pending(), blob]
         for key, value in fields.items():
             args += [key, value]
         keys = [
@@ -703,6 +826,7 @@ class FrameQueue:
             self.cfg.stats_key,
             f"{self.cfg.dedupe_prefix}{uid}",
             self.record_key,
+            *([clip_key] if blob else []),
         ]
         entry_id, trimmed, duplicate = self._enqueue(keys=keys, args=args)
         self._reached_redis()

@@ -6,6 +6,10 @@ camera -- the state of camera A would be fed camera B's boxes. So detection stay
 (``pipelines.detect``) and each camera gets its own tracker object, fed that camera's
 detections after the batch. The trackers' settings come from Ultralytics' own
 ``cfg/trackers/<type>.yaml``, with ``tracker:`` fields from our config replacing its values.
+Those defaults suit COCO weights (scores 0.6-0.9); a detector whose scores sit near a low
+threshold needs ``fuse_score: false`` and its threshold as ``track_high_thresh`` /
+``new_track_thresh`` (``DetectorBuild.tracker_settings``), else a new track's second frame
+never matches and no track confirms.
 
 A track id is what lets the gate describe a person once rather than every frame; it is
 unique within a camera for the life of the pipeline process.

@@ -9,6 +9,10 @@ stands) is inside it (``cv2.pointPolygonTest``); ``min_area``/``max_area`` are p
 
 Polygons are configured relative (0-1) or in pixels; they are resolved to pixel contours
 once per frame size, since a camera's resolution is only known from its frames.
+
+This module answers for one frame. Whether a *tracked* person is in a zone -- the zone's
+``inertia`` and ``loitering_time``, judged over the track's frames -- is
+``pipelines.presence``, which the per-track gate feeds with ``zones_of``.
 """
 
 from __future__ import annotations
@@ -105,7 +109,8 @@ class CameraZones:
         ]
 
     def in_required(self, det: Detection, size: tuple[int, int]) -> bool:
-        """In one of ``required_zones``; true for every detection when none are required."""
+        """In one of ``required_zones`` on this frame alone; true for every detection when
+        none are required. The per-frame gate's test: it has no track ids, so no inertia."""
         if not self.required:
             return True
         return any(name in self.required for name in self.zones_of(det, size))

@@ -1,4 +1,4 @@
-"""Native CPU kernels, compiled on first use with the machine's C++ compiler.
+"""Native CPU kernels: prebuilt, or compiled on first use with the machine's C++ compiler.
 
 The fused decode step (``cpu_decode.cpp``) and the fused prefill attention
 (``cpu_attention.cpp``) are optional: without a compiler, on a CPU with neither AVX-512 nor
@@ -10,19 +10,21 @@ header per instruction set (``isa/``), and built per variant (:data:`VARIANTS`):
 AVX512-BF16 get the bf16 dot-product instruction; plain AVX-512 CPUs (Skylake-X, Ice Lake) and
 AVX2 CPUs (Haswell+, Zen 1-3, N100) a build that widens bf16 to fp32 in registers: there bf16
 matmuls in oneDNN are emulated too, and the kernels matter most. Each variant is its own
-module, cached by PyTorch under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``;
-a home directory shared across CPUs keeps all of them) and reused until the source changes;
-``python -m engine.kernels`` builds this CPU's ahead of time.
+module (``build.py`` compiles and finds them). A module is imported from
+``$VISION_SERVE_KERNELS_DIR`` when that holds one stamped for these sources, flags, torch and
+Python (the Docker image carries every variant there, read-only: ``python -m engine.kernels
+--prebuild DIR``); otherwise it is compiled once into ``$TORCH_EXTENSIONS_DIR/vision_serve``
+(default ``~/.cache/torch_extensions/vision_serve``; a home directory shared across CPUs keeps
+all of them) and reused until its inputs change. ``python -m engine.kernels`` readies this
+CPU's ahead of time.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 import subprocess
-import sysconfig
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,10 +32,13 @@ from types import ModuleType
 
 import torch
 
+from engine.kernels import build
+
 log = logging.getLogger("engine.kernels")
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.cpp", "cpu_attention.cpp")]
-_HEADERS = [Path(__file__).with_name("isa.h"), *sorted(Path(__file__).with_name("isa").glob("*.h"))]
+_DIR = Path(__file__).parent
+_SOURCES = (_DIR / "cpu_decode.cpp", _DIR / "cpu_attention.cpp")
+_HEADERS = (_DIR / "isa.h", *sorted((_DIR / "isa").glob("*.h")))
 _FLAGS = ["-O3", "-fopenmp"]
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
 # variant -> the instruction-set flags that select its traits header (isa.h)
@@ -48,13 +53,83 @@ _MODULES = {
     "avx2": "vision_serve_cpu_decode_avx2",
 }
 DISABLE_ENV = "VISION_SERVE_DISABLE_CPU_KERNELS"
+PREBUILT_ENV = "VISION_SERVE_KERNELS_DIR"
+INT8_MODULE = "vision_serve_int8_linear"
+INT8_SOURCE = _DIR / "int8_linear.cpp"
+INT8_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
 
 
+def decode_extension(variant: str) -> build.Extension:
+    """The fused decode step and flash attention, built for ``variant`` (a key of VARIANTS)."""
+    return build.Extension(
+        name=_MODULES[variant],
+        sources=_SOURCES,
+        headers=_HEADERS,
+        cflags=(*_FLAGS, *VARIANTS[variant]),
+        ldflags=("-fopenmp",),
+    )
+
+
+def int8_extension() -> build.Extension:
+    """The weight-only int8 GEMV: AVX2+FMA, so one build runs on every variant's CPU."""
+    return build.Extension(
+        name=INT8_MODULE,
+        sources=(INT8_SOURCE,),
+        headers=_HEADERS,
+        cflags=INT8_FLAGS,
+        ldflags=("-fopenmp",),
+    )
+
+
+def extensions(variant: str) -> list[build.Extension]:
+    """Every module a CPU of ``variant`` imports."""
+    return [decode_extension(variant), int8_extension()]
+
+
+def prebuilt_dir() -> Path | None:
+    """``$VISION_SERVE_KERNELS_DIR``: modules built ahead (read only), or ``None``."""
+    value = os.environ.get(PREBUILT_ENV, "").strip()
+    return Path(value) if value else None
+
+
+def cache_dir() -> Path:
+    """Where a module missing from :func:`prebuilt_dir` is compiled: writable, kept."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR", "").strip()
+    base = Path(root) if root else Path.home() / ".cache" / "torch_extensions"
+    return base / "vision_serve"
+
+
+def prebuild(out_dir: Path, variants: list[str] | None = None) -> dict[str, str | None]:
+    """Build every variant's modules (default: all of :data:`VARIANTS`) into ``out_dir``
+    without importing any: the build host need not run the instruction sets it builds for.
+    Returns module name -> ``None`` when built, else the error."""
+    chosen = list(VARIANTS) if variants is None else variants
+    unknown = sorted(set(chosen) - set(VARIANTS))
+    if unknown:
+        raise ValueError(f"unknown kernel variant(s) {unknown}; known: {sorted(VARIANTS)}")
+    exts = {ext.name: ext for variant in chosen for ext in extensions(variant)}
+    return build.build_all(list(exts.values()), out_dir)
+
+
+def _load(ext: build.Extension) -> ModuleType:
+    return build.load(ext, prebuilt_dir(), cache_dir())
+
+
+@functools.cache
 def _cpu_probe(name: str) -> bool:
+    """``torch.cpu._is_*_supported``: private, and no public API tells AVX512-BF16 (see
+    tests/engine/test_torch_private_ops.py, which pins them). A torch without the probe
+    reads as a CPU without the feature (eager path), said once in the log."""
     probe = getattr(torch.cpu, name, None)
+    if probe is None:
+        log.warning(
+            "torch.cpu.%s is missing (torch %s): treated as unsupported", name, torch.__version__
+        )
+        return False
     try:
-        return bool(probe and probe())
-    except Exception:
+        return bool(probe())
+    except Exception as exc:
+        log.warning("torch.cpu.%s failed (%s): treated as unsupported", name, exc)
         return False
 
 
@@ -91,35 +166,20 @@ def load_cpu_decode() -> ModuleType | None:
     if variant is None:
         log.info("cpu kernels skipped: this CPU has neither AVX-512 nor AVX2")
         return None
-    from torch.utils.cpp_extension import load
-
-    # PyTorch rebuilds when the sources or flags change, not the headers: their hash goes in
-    # as a flag
-    headers = hashlib.sha256(b"".join(p.read_bytes() for p in _HEADERS)).hexdigest()[:16]
     t0 = time.perf_counter()
     try:
-        module = load(
-            # one build per variant: a home directory shared across CPUs keeps all of them
-            name=_MODULES[variant],
-            sources=[str(p) for p in _SOURCES],
-            extra_cflags=[*_FLAGS, *VARIANTS[variant], f"-DVS_HEADERS_{headers}"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        module = _load(decode_extension(variant))
     except Exception as exc:
         log.warning("cpu kernels unavailable, using the eager path: %s", exc)
         return None
     log.info(
-        "cpu kernels ready in %.1f s (variant %s: bf16 dot products %s)",
+        "cpu kernels ready in %.1f s (variant %s: bf16 dot products %s; %s)",
         time.perf_counter() - t0,
         variant,
         "native" if module.bf16_dot else "emulated",
+        module.__file__,
     )
     return module
-
-
-INT8_SOURCE = Path(__file__).with_name("int8_linear.cpp")
-INT8_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 
 
 @functools.cache
@@ -132,21 +192,13 @@ def load_int8_linear() -> ModuleType | None:
     if not cpu_supports_avx2():
         log.info("int8 kernel skipped: this CPU has no AVX2")
         return None
-    from torch.utils.cpp_extension import load
-
     t0 = time.perf_counter()
     try:
-        module = load(
-            name="vision_serve_int8_linear",
-            sources=[str(INT8_SOURCE)],
-            extra_cflags=INT8_FLAGS,
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        module = _load(int8_extension())
     except Exception as exc:
         log.warning("int8 kernel unavailable, dequantizing with PyTorch: %s", exc)
         return None
-    log.info("int8 kernel ready in %.1f s", time.perf_counter() - t0)
+    log.info("int8 kernel ready in %.1f s (%s)", time.perf_counter() - t0, module.__file__)
     return module
 
 
@@ -156,43 +208,30 @@ def variants_not_loaded() -> list[str]:
 
 
 def compile_check(
-    compiler: str = "g++", variants: list[str] | None = None
+    compiler: str | None = None, variants: list[str] | None = None
 ) -> dict[str, str | None]:
-    """Compile every variant's sources to object code, without loading them.
+    """Compile every variant's sources to object code (at -O0, into /dev/null), loading none.
 
-    A machine runs one variant at most, yet CI on any machine must show
-    that all of them build: the compiler targets the instruction set named by the flags, not
-    the CPU it runs on. Returns variant/source -> None when it compiled, else the error.
+    A machine runs one variant at most, yet CI on any machine must show that all of them
+    build: the compiler targets the instruction set named by the flags, not the CPU it runs
+    on. The commands are the build's (``build.compile_command``) with ``-O0`` last, so only
+    the optimiser's time is saved. Returns variant/source -> None when it compiled, else the
+    error.
     """
-    from torch.utils.cpp_extension import include_paths
-
-    includes = [f"-I{p}" for p in include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    jobs = {
-        f"{variant}/{src.name}": [
-            compiler,
-            "-std=c++20",
-            "-fPIC",
-            "-O0",
-            *_FLAGS,
-            *extra,
-            *includes,
-            f"-I{Path(__file__).parent}",
-            f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            "-DTORCH_EXTENSION_NAME=compile_check",
-            "-DTORCH_API_INCLUDE_EXTENSION_H",
-            "-c",
-            str(src),
-            "-o",
-            os.devnull,
-        ]
-        for variant, extra in VARIANTS.items()
-        if variants is None or variant in variants
-        for src in _SOURCES
-    }
+    jobs = {}
+    for variant in VARIANTS if variants is None else variants:
+        ext = decode_extension(variant)
+        for src in ext.sources:
+            cmd = build.compile_command(
+                ext, src, os.devnull, module_name="compile_check", extra=("-O0",)
+            )
+            jobs[f"{variant}/{src.name}"] = [compiler or cmd[0], *cmd[1:]]
 
     def run(cmd: list[str]) -> str | None:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as exc:
+            return f"{cmd[0]}: {exc}"
         return None if proc.returncode == 0 else proc.stderr[-4000:]
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:

@@ -9,8 +9,13 @@
 // between on data that is still in cache, and the only synchronisation is one parallel region
 // per matmul or attention phase.
 //
+// Weight-only int8 (--quantization int8 with bf16 activations): the decoder matrices and the
+// lm_head come as int8 with per-output-channel fp32 scales and run the panel GEMV below,
+// widened to fp32 in registers; a step then streams half the bytes.
+//
 // Numerics follow the eager path (bf16 activations rounded where it rounds them, fp32
-// accumulation), so both paths agree to bf16 rounding, not bit for bit.
+// accumulation, int8 scales applied to the fp32 sums), so both paths agree to bf16 rounding,
+// not bit for bit.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -240,31 +245,133 @@ void dot_rows_blocked(const Activations& xs, const bf16* w, int64_t n0, int64_t 
 }
 #endif
 
-// Output-feature panels of a weight for the emulated GEMV at decode batches (>= kPanelRows
-// rows). Why: the row-major kernel above reduces every output in a 16-lane accumulator and
-// widens each weight vector once per 4 activation rows, and at 8-16 rows its widened
-// activations (16 x K fp32) overflow L1: 169 GFLOP/s at 16 rows, 46 % of the FMA peak. In a
-// panel the weights of 32 output features are laid out k pair by k pair, which makes the
-// product an outer product: one 128-byte load, widened once, feeds 4 FMAs per activation row,
-// each activation is a broadcast scalar and no horizontal sum is left (223 against 169
-// GFLOP/s at 16 rows on an Ice Lake; a batch-16 engine decode step at 1,200 tokens of context
-// 40.1 -> 37.9 ms). Below kPanelRows rows the row-major kernel streams faster and keeps them.
+// Output-feature panels: the decode GEMV's layout for int8 weights (every build, every row
+// count) and for bf16 weights at decode batches in the emulated builds (>= kPanelRows rows).
+// Why: the row-major kernel above reduces every output in a 16-lane accumulator and widens
+// each weight vector once per 4 activation rows, and at 8-16 rows its widened activations
+// (16 x K fp32) overflow L1: 169 GFLOP/s at 16 rows, 46 % of the FMA peak. In a panel the
+// weights of 32 output features are laid out k by k (bf16: k pair by k pair), which makes the
+// product an outer product: one load, widened once, feeds an FMA per 16 features and
+// activation row, each activation is a broadcast scalar and no horizontal sum is left (223
+// against 169 GFLOP/s at 16 rows on an Ice Lake; a batch-16 engine decode step at 1,200
+// tokens of context 40.1 -> 37.9 ms). Below kPanelRows rows the row-major bf16 kernel streams
+// faster and keeps them; int8 has no row-major kernel here (one layout, one kernel to tune).
 struct Panels {
-  // [P, K / 2, 64] bf16: panel p, k pair i holds features 32p .. 32p + 15 as pairs
-  // (w[f][2i], w[f][2i + 1]), then features 32p + 16 .. 32p + 31; missing features are zeros
+  // bf16: [P, K / 2, 64]: panel p, k pair i holds features 32p .. 32p + 15 as pairs
+  // (w[f][2i], w[f][2i + 1]), then features 32p + 16 .. 32p + 31.
+  // int8: [P, K, 32]: panel p, row k holds w[32p + f][k] for f < 32.
+  // Missing features (past N) are zeros.
   at::Tensor data;
+  at::Tensor scales;  // int8: fp32 [N], the per-output-channel scales
   int64_t N = 0, K = 0;
+  bool int8 = false;
   bool defined() const { return data.defined(); }
 };
 
 constexpr int64_t kPanel = 32;
-constexpr int kPanelRows = 8;  // fewest rows that take the panels: at 6 they were 4 % slower
-// activation rows per register block: 2 accumulators each (16 of 32 AVX-512 registers; 4
-// logical vectors, half the file, on AVX2)
-constexpr int kPanelBlock = vs::kVecRegs >= 32 ? 8 : 2;
+constexpr int kPanelRows = 8;  // fewest rows that take bf16 panels: at 6 they were 4 % slower
+
+// Register blocks of the panel kernels: R activation rows x V halves (16 features each) of a
+// panel. AVX-512 takes both halves of up to 8 rows (16 of 32 registers accumulate). AVX2 has
+// 16 ymm registers, half a logical vector each: there both halves of even 2 bf16 rows spilled
+// three accumulators on every k, so blocks of more rows take one half of the panel (up to 6
+// int8 rows: 12 accumulators, the widened weights and a broadcast; 4 bf16 rows, whose widened
+// pairs take twice the registers) and the last 1-2 rows both halves. Each block widens the
+// weights it reads once: the widening runs on other ports than the FMAs. FMA latency times
+// the two FMA ports asks for 8 independent accumulators: 8 int8 rows go as 6 + 2 (12 and 8
+// chains), not 4 + 4 (8 and 8, the bare minimum: 5 % slower at 8 rows, 10 % at 7).
+constexpr bool kWideRegs = vs::kVecRegs >= 32;
+constexpr int kFullRowsI8 = kWideRegs ? 8 : 2, kHalfRowsI8 = 6;
+constexpr int kFullRowsBf16 = kWideRegs ? 8 : 1, kHalfRowsBf16 = 4;
+
+// One row block of a panel pass: rows [m0, m0 + rows), halves [h0, h0 + V)
+struct PanelBlock {
+  int m0, rows, h0, V;
+};
+
+// The blocks for M rows (see above): both halves for up to ``full_rows`` rows, else blocks of
+// up to ``half_rows`` rows half by half, and the last ``full_rows`` or fewer both halves
+inline std::vector<PanelBlock> panel_blocks(int M, int full_rows, int half_rows) {
+  std::vector<PanelBlock> out;
+  if (kWideRegs) {  // balanced: 12 rows are 6 + 6, not 8 + 4
+    const int n = (M + full_rows - 1) / full_rows;
+    for (int b = 0, m0 = 0; b < n; ++b) {
+      const int rows = (M - m0) / (n - b);
+      out.push_back({m0, rows, 0, 2});
+      m0 += rows;
+    }
+    return out;
+  }
+  int m0 = 0;
+  while (M - m0 > full_rows) {
+    const int rows = std::min(half_rows, M - m0);
+    out.push_back({m0, rows, 0, 1});
+    out.push_back({m0, rows, 1, 1});
+    m0 += rows;
+  }
+  if (m0 < M) out.push_back({m0, M - m0, 0, 2});
+  return out;
+}
+
+// w rows [row0, row0 + rows) as int8 panels, written to ``dst``
+void pack_panels_i8(const at::Tensor& w, int64_t row0, int64_t rows, int8_t* dst) {
+  const int64_t K = w.size(1), P = (rows + kPanel - 1) / kPanel;
+  const int8_t* src = w.data_ptr<int8_t>() + row0 * K;
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      int8_t* panel = dst + p * K * kPanel;
+      std::memset(panel, 0, K * kPanel);
+      for (int64_t f = 0; f < kPanel && p * kPanel + f < rows; ++f) {
+        const int8_t* row = src + (p * kPanel + f) * K;
+        for (int64_t k = 0; k < K; ++k) panel[k * kPanel + f] = row[k];
+      }
+    }
+  });
+}
+
+// acc[r][16 h .. 16 h + 15] += x[r] . w[f] over features of halves [h0, h0 + V) of an int8
+// panel and its k [k0, k1), for R activation rows (fp32, row stride K); ``first`` starts the
+// sums at zero. S accumulator sets take alternate k: at 1-2 rows, R x V chains alone would
+// leave the FMA units waiting on their latency. Each 16 weights are widened once (load_i8)
+// and feed R FMAs: the widening is the per-weight work int8 adds, so it is kept out of the
+// row loop.
+template <int R, int V, int S>
+__attribute__((noinline)) void panel_block_i8(const float* x, int64_t K, const int8_t* panel,
+                                              int h0, int64_t k0, int64_t k1, bool first,
+                                              bool prefetch, float (*acc_io)[kPanel]) {
+  vf acc[S][R][V];
+  for (int s = 0; s < S; ++s)
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v)
+        acc[s][r][v] = s == 0 && !first ? vs::load(acc_io[r] + 16 * (h0 + v)) : vs::zero();
+  auto step = [&](int s, int64_t k) {
+    const int8_t* wp = panel + k * kPanel;
+    vf w[V];
+    for (int v = 0; v < V; ++v) w[v] = vs::load_i8(wp + 16 * (h0 + v));
+    for (int r = 0; r < R; ++r) {
+      const vf xb = vs::set1(x[r * K + k]);
+      for (int v = 0; v < V; ++v) acc[s][r][v] = vs::fmadd(w[v], xb, acc[s][r][v]);
+    }
+  };
+  // two k per iteration: one 64-byte line of the panel, one prefetch (8 KiB ahead, as the
+  // bf16 panels) and half the loop overhead -- at 4 rows a k is only 8 FMAs, and the front
+  // end, not the FMA units, had become the limit
+  constexpr int kUnroll = S > 2 ? S : 2;
+  int64_t k = k0;
+  for (; k + kUnroll <= k1; k += kUnroll) {
+    if (prefetch) __builtin_prefetch(panel + k * kPanel + 8192);
+    for (int u = 0; u < kUnroll; ++u) step(u % S, k + u);
+  }
+  for (; k < k1; ++k) step(0, k);
+  for (int s = 1; s < S; ++s)
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) acc[0][r][v] = vs::add(acc[0][r][v], acc[s][r][v]);
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) vs::store(acc_io[r] + 16 * (h0 + v), acc[0][r][v]);
+}
 
 #ifndef VS_BF16_DOT
-// w rows [row0, row0 + rows) as panels, written to ``dst`` (panel_bytes(rows, K) of them)
+// w rows [row0, row0 + rows) as bf16 panels, written to ``dst``
 void pack_panels(const at::Tensor& w, int64_t row0, int64_t rows, uint16_t* dst) {
   const int64_t K = w.size(1), P = (rows + kPanel - 1) / kPanel;
   const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<bf16>()) + row0 * K;
@@ -284,17 +391,16 @@ void pack_panels(const at::Tensor& w, int64_t row0, int64_t rows, uint16_t* dst)
   });
 }
 
-// acc[r][0..31] += x[r] . w[f] over one panel's 32 features and its k pairs [i0, i1), for R
-// activation rows (fp32, row stride K); ``first`` starts the sums at zero. The even/odd
-// products of a pair go to one accumulator: with R >= 2 rows there are enough independent
-// chains to hide the FMA latency.
-template <int R>
+// The same for a bf16 panel over k pairs [i0, i1). The even/odd products of a pair go to one
+// accumulator: with R >= 2 rows there are enough independent chains to hide the FMA latency.
+template <int R, int V>
 __attribute__((noinline)) void panel_block(const float* x, int64_t K, const uint16_t* panel,
-                                           int64_t i0, int64_t i1, bool first, bool prefetch,
-                                           float (*acc_io)[kPanel]) {
-  vf acc[R][2];
+                                           int h0, int64_t i0, int64_t i1, bool first,
+                                           bool prefetch, float (*acc_io)[kPanel]) {
+  vf acc[R][V];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 2; ++v) acc[r][v] = first ? vs::zero() : vs::load(acc_io[r] + 16 * v);
+    for (int v = 0; v < V; ++v)
+      acc[r][v] = first ? vs::zero() : vs::load(acc_io[r] + 16 * (h0 + v));
   for (int64_t i = i0; i < i1; ++i) {
     const uint16_t* wp = panel + i * 2 * kPanel;
     // both lines of the pair 8 KiB ahead (4 KiB: 2 % slower at 16 rows, 16 KiB: no better)
@@ -302,61 +408,131 @@ __attribute__((noinline)) void panel_block(const float* x, int64_t K, const uint
       __builtin_prefetch(reinterpret_cast<const char*>(wp) + 8192);
       __builtin_prefetch(reinterpret_cast<const char*>(wp) + 8192 + 64);
     }
-    vf e0, o0, e1, o1;
-    vs::widen_pairs(vs::load_pairs(wp), e0, o0);
-    vs::widen_pairs(vs::load_pairs(wp + 32), e1, o1);
+    vf e[V], o[V];
+    for (int v = 0; v < V; ++v) vs::widen_pairs(vs::load_pairs(wp + 32 * (h0 + v)), e[v], o[v]);
     for (int r = 0; r < R; ++r) {
       const vf xe = vs::set1(x[r * K + 2 * i]);
       const vf xo = vs::set1(x[r * K + 2 * i + 1]);
-      acc[r][0] = vs::fmadd(o0, xo, vs::fmadd(e0, xe, acc[r][0]));
-      acc[r][1] = vs::fmadd(o1, xo, vs::fmadd(e1, xe, acc[r][1]));
+      for (int v = 0; v < V; ++v) acc[r][v] = vs::fmadd(o[v], xo, vs::fmadd(e[v], xe, acc[r][v]));
     }
   }
-  for (int r = 0; r < R; ++r) {
-    vs::store(acc_io[r], acc[r][0]);
-    vs::store(acc_io[r] + 16, acc[r][1]);
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) vs::store(acc_io[r] + 16 * (h0 + v), acc[r][v]);
+}
+#endif
+
+// k (int8) or k pairs (bf16) per pass of all row blocks over a panel: 8 KiB of weights, read
+// from memory by the first block and from L1 by the others (block by block over the whole
+// panel, the first block alone streamed the weights, faster than memory could deliver them)
+constexpr int64_t kPanelChunkBytes = 8192;
+
+// A panel kernel for R rows, V halves: a function pointer per (R, V), so that the blocks of a
+// call are planned once and the kernels keep their accumulators in registers
+template <typename W>
+using PanelKernel = void (*)(const float*, int64_t, const W*, int, int64_t, int64_t, bool, bool,
+                             float (*)[kPanel]);
+
+template <int V, int S>
+PanelKernel<int8_t> i8_kernel(int R) {
+  switch (R) {
+    case 1: return &panel_block_i8<1, V, S>;
+    case 2: return &panel_block_i8<2, V, S>;
+    case 3: return &panel_block_i8<3, V, S>;
+    case 4: return &panel_block_i8<4, V, S>;
+    case 5: return &panel_block_i8<5, V, S>;
+    case 6: return &panel_block_i8<6, V, S>;
+    case 7: return &panel_block_i8<7, V, S>;
+    default: return &panel_block_i8<8, V, S>;
   }
 }
 
-// k pairs per pass of all row blocks over a panel: 8 KiB of weights, read from memory by the
-// first block and from L1 by the others (block by block over the whole panel, the first block
-// alone streamed the weights, faster than memory could deliver them)
-constexpr int64_t kPanelChunk = 64;
+// the int8 kernel for a block: at 1-2 rows, enough accumulator sets for 8 FMA chains
+PanelKernel<int8_t> i8_kernel_for(int R, int V) {
+  if (V == 1) return i8_kernel<1, 1>(R);
+  if (R == 1) return kWideRegs ? i8_kernel<2, 4>(1) : i8_kernel<2, 2>(1);
+  if (R == 2 && kWideRegs) return i8_kernel<2, 2>(2);
+  return i8_kernel<2, 1>(R);
+}
 
-// acc[m][n - n0] for the features of panels [p0, p1) (n0 = 32 p0), all M rows of x (fp32)
+#ifndef VS_BF16_DOT
+template <int V>
+PanelKernel<uint16_t> bf16_kernel(int R) {
+  switch (R) {
+    case 1: return &panel_block<1, V>;
+    case 2: return &panel_block<2, V>;
+    case 3: return &panel_block<3, V>;
+    case 4: return &panel_block<4, V>;
+    case 5: return &panel_block<5, V>;
+    case 6: return &panel_block<6, V>;
+    case 7: return &panel_block<7, V>;
+    default: return &panel_block<8, V>;
+  }
+}
+#endif
+
+// acc[m][n - n0] for the features of panels [p0, p1) (n0 = 32 p0), all M rows of x (fp32);
+// int8 panels apply their scales here, so every epilogue sees the product itself
 void panel_rows(const float* x, int M, const Panels& w, int64_t p0, int64_t p1, float* acc,
                 int64_t ld_acc) {
-  const int64_t K = w.K, pairs = K / 2;
-  const uint16_t* base = reinterpret_cast<const uint16_t*>(w.data.data_ptr<bf16>());
+  const int64_t K = w.K;
   thread_local std::vector<float> sums;
   sums.resize(static_cast<size_t>(M) * kPanel);
   float(*rows_acc)[kPanel] = reinterpret_cast<float(*)[kPanel]>(sums.data());
+  const std::vector<PanelBlock> blocks = w.int8 ? panel_blocks(M, kFullRowsI8, kHalfRowsI8)
+                                                 : panel_blocks(M, kFullRowsBf16, kHalfRowsBf16);
+  struct Planned {
+    PanelBlock b;
+    PanelKernel<int8_t> i8;
+    PanelKernel<uint16_t> b16;
+  };
+  std::vector<Planned> plan;
+  for (const PanelBlock& b : blocks) {
+    Planned p{b, nullptr, nullptr};
+    if (w.int8) {
+      p.i8 = i8_kernel_for(b.rows, b.V);
+    } else {
+#ifdef VS_BF16_DOT
+      TORCH_CHECK(false, "bf16 panels are the emulated builds' GEMV");
+#else
+      p.b16 = b.V == 2 ? bf16_kernel<2>(b.rows) : bf16_kernel<1>(b.rows);
+#endif
+    }
+    plan.push_back(p);
+  }
+  // per pass: k (int8, 32 bytes each) or k pairs (bf16, 128 bytes each)
+  const int64_t steps = w.int8 ? K : K / 2;
+  const int64_t chunk = kPanelChunkBytes / (w.int8 ? kPanel : 4 * kPanel);
+  const float* scales = w.int8 ? w.scales.data_ptr<float>() : nullptr;
   for (int64_t p = p0; p < p1; ++p) {
-    const uint16_t* panel = base + p * pairs * 2 * kPanel;
-    for (int64_t i0 = 0; i0 < pairs; i0 += kPanelChunk) {
-      const int64_t i1 = std::min(pairs, i0 + kPanelChunk);
-      for (int m0 = 0; m0 < M; m0 += kPanelBlock) {
-        const int rows = std::min(kPanelBlock, M - m0);
-        const float* xr = x + m0 * K;
-        float(*out)[kPanel] = rows_acc + m0;
-        const bool first = i0 == 0, prefetch = m0 == 0;
-#define VS_PANEL_BLOCK(RR) panel_block<RR>(xr, K, panel, i0, i1, first, prefetch, out)
-        switch (rows) {
-          case 1: VS_PANEL_BLOCK(1); break;
-          case 2: VS_PANEL_BLOCK(2); break;
-          case 3: VS_PANEL_BLOCK(3); break;
-          case 4: VS_PANEL_BLOCK(4); break;
-          case 5: VS_PANEL_BLOCK(5); break;
-          case 6: VS_PANEL_BLOCK(6); break;
-          case 7: VS_PANEL_BLOCK(7); break;
-          default: VS_PANEL_BLOCK(8); break;
+    for (int64_t i0 = 0; i0 < steps; i0 += chunk) {
+      const int64_t i1 = std::min(steps, i0 + chunk);
+      for (size_t j = 0; j < plan.size(); ++j) {
+        const PanelBlock& b = plan[j].b;
+        const bool first = i0 == 0, prefetch = j == 0;
+        const float* xr = x + b.m0 * K;
+        if (w.int8) {
+          const int8_t* panel = static_cast<const int8_t*>(w.data.data_ptr()) + p * K * kPanel;
+          plan[j].i8(xr, K, panel, b.h0, i0, i1, first, prefetch, rows_acc + b.m0);
+        } else {
+          const uint16_t* panel =
+              static_cast<const uint16_t*>(w.data.data_ptr()) + p * (K / 2) * 2 * kPanel;
+          plan[j].b16(xr, K, panel, b.h0, i0, i1, first, prefetch, rows_acc + b.m0);
         }
-#undef VS_PANEL_BLOCK
       }
     }
     const int64_t features = std::min<int64_t>(kPanel, w.N - p * kPanel);
-    for (int m = 0; m < M; ++m)
-      std::memcpy(acc + m * ld_acc + (p - p0) * kPanel, rows_acc[m], features * sizeof(float));
+    for (int m = 0; m < M; ++m) {
+      float* dst = acc + m * ld_acc + (p - p0) * kPanel;
+      if (scales == nullptr) {
+        std::memcpy(dst, rows_acc[m], features * sizeof(float));
+      } else {
+        for (int64_t f = 0; f < features; f += 16)
+          vs::store(dst + f,
+                    vs::mul(vs::load(rows_acc[m] + f, features - f),
+                            vs::load(scales + p * kPanel + f, features - f)),
+                    features - f);
+      }
+    }
   }
 }
 
@@ -381,7 +557,6 @@ void matvec_panels(int M, const bf16* x, const Panels& w, Epilogue epilogue) {
     epilogue(n0, n1, acc.data());
   });
 }
-#endif
 
 // One 2 MiB-aligned block, asked to be backed by huge pages (see copy_to_huge_pages)
 std::shared_ptr<void> huge_page_arena(size_t bytes) {
@@ -754,17 +929,35 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed) {
 struct LayerWeights {
   at::Tensor ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w, k_cache, v_cache;
   at::Tensor qkv_p, o_p, gate_up_p, down_p;  // oneDNN-packed copies, or undefined
-  Panels qkv_n, o_n, gate_n, up_n, down_n;    // emulated builds: the GEMV's panels
+  at::Tensor qkv_s, o_s, gate_up_s, down_s;  // int8 weights: per-output-channel scales
+  Panels qkv_n, o_n, gate_n, up_n, down_n;    // the GEMV's panels (int8; bf16 emulated)
 };
+
+// a decoder matrix: bf16, or int8 with fp32 scales [N]
+void check_matrix(const at::Tensor& w, const at::Tensor& scales, const char* what) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), what, ": a contiguous 2-d weight");
+  if (w.scalar_type() == at::kChar) {
+    TORCH_CHECK(scales.defined() && scales.scalar_type() == at::kFloat && scales.dim() == 1 &&
+                    scales.size(0) == w.size(0) && scales.is_contiguous(),
+                what, ": int8 weights need contiguous fp32 scales, one per output channel");
+  } else {
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16, what, ": weights must be bf16 or int8");
+  }
+}
 
 class FusedDecoder {
  public:
   // layers: per layer [ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w, k_cache, v_cache] and,
   // optionally, oneDNN-packed [qkv, o, gate_up, down] (then lm_head_packed too): steps of more
   // than gemv_max_rows rows use those; without them the decoder takes at most kMaxGemvRows.
+  // Weight-only int8: any of qkv_w, o_w, gate_up_w, down_w and lm_head may be int8 [N, K]
+  // (not packed), with ``scales`` holding per layer [qkv, o, gate_up, down] and then the
+  // lm_head's fp32 per-output-channel scales (an empty tensor where a matrix is bf16). int8
+  // matrices always run the panel GEMV (built here), for any number of rows.
   FusedDecoder(std::vector<std::vector<at::Tensor>> layers, at::Tensor final_norm,
                at::Tensor lm_head, std::optional<at::Tensor> lm_head_packed, int64_t num_heads,
-               int64_t num_kv_heads, int64_t head_dim, double eps, int64_t gemv_max_rows)
+               int64_t num_kv_heads, int64_t head_dim, double eps, int64_t gemv_max_rows,
+               std::optional<std::vector<at::Tensor>> scales)
       : final_norm_(final_norm.contiguous()),
         lm_head_(lm_head.contiguous()),
         lm_head_p_(lm_head_packed.value_or(at::Tensor())),
@@ -775,28 +968,59 @@ class FusedDecoder {
         eps_(static_cast<float>(eps)) {
     TORCH_CHECK(num_heads % num_kv_heads == 0, "heads must be a multiple of KV heads");
     TORCH_CHECK(head_dim % 16 == 0 && head_dim <= 128, "head_dim must be 16..128, step 16");
+    const std::vector<at::Tensor> sc = scales.value_or(std::vector<at::Tensor>());
+    TORCH_CHECK(sc.empty() || sc.size() == 4 * layers.size() + 1,
+                "scales: 4 per layer and the lm_head's, or none");
+    auto scale = [&](size_t i) { return sc.empty() ? at::Tensor() : sc[i]; };
     // weights are expected on huge pages already (copy_to_huge_pages); caches are the
     // engine's own tensors, written in place
-    for (auto& t : layers) {
+    for (size_t l = 0; l < layers.size(); ++l) {
+      const auto& t = layers[l];
       TORCH_CHECK(t.size() == 9 || t.size() == 13, "each layer needs 9 or 13 tensors");
-      for (size_t i = 0; i < 9; ++i)
+      for (size_t i : {0, 2, 4, 7, 8})
         TORCH_CHECK(t[i].scalar_type() == at::kBFloat16 && t[i].is_contiguous(),
-                    "fused decode needs contiguous bf16 tensors");
+                    "fused decode needs contiguous bf16 norms, bias and caches");
       LayerWeights w{t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8]};
+      w.qkv_s = scale(4 * l), w.o_s = scale(4 * l + 1);
+      w.gate_up_s = scale(4 * l + 2), w.down_s = scale(4 * l + 3);
+      check_matrix(w.qkv_w, w.qkv_s, "qkv");
+      check_matrix(w.o_w, w.o_s, "o_proj");
+      check_matrix(w.gate_up_w, w.gate_up_s, "gate_up");
+      check_matrix(w.down_w, w.down_s, "down");
       if (t.size() == 13) w.qkv_p = t[9], w.o_p = t[10], w.gate_up_p = t[11], w.down_p = t[12];
       layers_.push_back(w);
     }
+    lm_head_s_ = scale(4 * layers.size());
+    check_matrix(lm_head_, lm_head_s_, "lm_head");
     packed_ = lm_head_p_.defined();
-    for (auto& w : layers_) TORCH_CHECK(w.qkv_p.defined() == packed_, "packed weights: all or none");
+    int8_ = lm_head_.scalar_type() == at::kChar;
+    for (auto& w : layers_) {
+      TORCH_CHECK(w.qkv_p.defined() == packed_, "packed weights: all or none");
+      const bool i8 = w.qkv_w.scalar_type() == at::kChar;
+      TORCH_CHECK(i8 == int8_ && w.o_w.scalar_type() == w.qkv_w.scalar_type() &&
+                      w.gate_up_w.scalar_type() == w.qkv_w.scalar_type() &&
+                      w.down_w.scalar_type() == w.qkv_w.scalar_type(),
+                  "int8 weights: every decoder matrix and the lm_head, or none");
+    }
+    TORCH_CHECK(!(int8_ && packed_), "int8 weights are not oneDNN-packed");
     TORCH_CHECK(!layers_.empty(), "no layers");
     hidden_ = lm_head_.size(1);
     qkv_size_ = (num_heads + 2 * num_kv_heads) * head_dim;
     intermediate_ = layers_[0].down_w.size(1);
     TORCH_CHECK(layers_[0].qkv_w.size(0) == qkv_size_, "qkv weight shape");
-#ifndef VS_BF16_DOT
-    if (hidden_ % 2 == 0 && intermediate_ % 2 == 0 && qkv_size_ % 2 == 0) build_panels();
+#ifdef VS_BF16_DOT
+    const bool bf16_panels = false;  // the dot product needs none
+#else
+    const bool bf16_panels = hidden_ % 2 == 0 && intermediate_ % 2 == 0 && qkv_size_ % 2 == 0;
 #endif
+    if (int8_ || bf16_panels) build_panels();
+    panels_ = int8_ || bf16_panels;
   }
+
+  // Most rows one forward takes: the row-major dot-product kernel holds at most kMaxGemvRows;
+  // panels (emulated and AVX2 builds, int8) and oneDNN's packed GEMM take any number
+  int64_t max_rows() const { return packed_ || panels_ ? kAnyRows : kMaxGemvRows; }
+  static constexpr int64_t kAnyRows = int64_t(1) << 20;
 
   // hidden: [B, H] input embeddings; cos, sin: [B, D]; block_tables: [B, max_blocks];
   // context_lens: [B] tokens in each request's context including the new one.
@@ -805,8 +1029,8 @@ class FusedDecoder {
                      const at::Tensor& block_tables, const at::Tensor& context_lens,
                      int64_t block_size) {
     const int M = static_cast<int>(embeds.size(0));
-    TORCH_CHECK(M >= 1 && (M <= kMaxGemvRows || packed_), "without packed weights, 1..",
-                kMaxGemvRows, " rows");
+    TORCH_CHECK(M >= 1 && M <= max_rows(), "this build's weights take 1..", max_rows(),
+                " rows");
     const int64_t H = hidden_, D = head_dim_, I = intermediate_;
     const int64_t q_size = num_heads_ * D;
     at::Tensor x_t = embeds.to(at::kBFloat16).contiguous().clone();
@@ -867,8 +1091,7 @@ class FusedDecoder {
                              max_blocks, block_size, 1.0f / std::sqrt(float(head_dim_)));
       linear(M, attn_t, L.o_w, L.o_p, L.o_n, H, add_to_residual);
       norm_rows(L.ln2.data_ptr<bf16>());
-#ifndef VS_BF16_DOT
-      if (M >= kPanelRows && L.gate_n.defined()) {
+      if (use_panels(M, L.gate_n)) {
         const std::vector<float> hf = widen_rows(M, h, H);
         at::parallel_for(0, (I + kPanel - 1) / kPanel, 1, [&](int64_t p0, int64_t p1) {
           const int64_t n0 = p0 * kPanel, n = std::min(I, p1 * kPanel) - n0;
@@ -879,9 +1102,7 @@ class FusedDecoder {
           panel_rows(hf.data(), M, L.up_n, p0, p1, u.data(), n);
           for (int m = 0; m < M; ++m) silu_mul_row(&g[m * n], &u[m * n], act + m * I + n0, n);
         });
-      } else
-#endif
-      if (M <= gemv_max_rows_ || !packed_) {
+      } else if (M <= gemv_max_rows_ || !packed_) {
         // gate rows [0, I) and up rows [I, 2I) of the same range in one task, so the
         // activation is applied as soon as both halves are there
         const bf16* gu = L.gate_up_w.data_ptr<bf16>();
@@ -924,41 +1145,63 @@ class FusedDecoder {
   }
 
  private:
-#ifndef VS_BF16_DOT
-  // Every matrix's panels in one huge-page arena: ~ the bf16 weights' size again
+  // Every matrix's panels in one huge-page arena: int8 matrices' always (their only GEMV),
+  // bf16 ones' in the emulated builds (~ the bf16 weights' size again)
   void build_panels() {
     struct Spec {
       Panels* out;
       const at::Tensor* w;
+      const at::Tensor* scales;
       int64_t row0, rows;
     };
     std::vector<Spec> specs;
     for (LayerWeights& L : layers_) {
-      specs.push_back({&L.qkv_n, &L.qkv_w, 0, L.qkv_w.size(0)});
-      specs.push_back({&L.o_n, &L.o_w, 0, L.o_w.size(0)});
-      specs.push_back({&L.gate_n, &L.gate_up_w, 0, intermediate_});
-      specs.push_back({&L.up_n, &L.gate_up_w, intermediate_, intermediate_});
-      specs.push_back({&L.down_n, &L.down_w, 0, L.down_w.size(0)});
+      specs.push_back({&L.qkv_n, &L.qkv_w, &L.qkv_s, 0, L.qkv_w.size(0)});
+      specs.push_back({&L.o_n, &L.o_w, &L.o_s, 0, L.o_w.size(0)});
+      specs.push_back({&L.gate_n, &L.gate_up_w, &L.gate_up_s, 0, intermediate_});
+      specs.push_back({&L.up_n, &L.gate_up_w, &L.gate_up_s, intermediate_, intermediate_});
+      specs.push_back({&L.down_n, &L.down_w, &L.down_s, 0, L.down_w.size(0)});
     }
-    specs.push_back({&lm_head_n_, &lm_head_, 0, lm_head_.size(0)});
-    auto elements = [](const Spec& s) {
-      return (s.rows + kPanel - 1) / kPanel * (s.w->size(1) / 2) * 2 * kPanel;
+    specs.push_back({&lm_head_n_, &lm_head_, &lm_head_s_, 0, lm_head_.size(0)});
+    auto bytes = [](const Spec& s) -> size_t {  // 64-byte multiples: every panel stays aligned
+      const int64_t P = (s.rows + kPanel - 1) / kPanel, K = s.w->size(1);
+      if (s.w->scalar_type() == at::kChar) return P * K * kPanel;
+#ifdef VS_BF16_DOT
+      return 0;  // bf16 matrices: the dot product reads their rows as they are
+#else
+      return P * (K / 2) * 2 * kPanel * sizeof(uint16_t);
+#endif
     };
     size_t total = 0;
-    for (const Spec& s : specs) total += elements(s);
-    std::shared_ptr<void> arena = huge_page_arena(total * sizeof(uint16_t));
-    uint16_t* dst = static_cast<uint16_t*>(arena.get());
+    for (const Spec& s : specs) total += bytes(s);
+    std::shared_ptr<void> arena = huge_page_arena(total);
+    char* dst = static_cast<char*>(arena.get());
     for (const Spec& s : specs) {
       const int64_t K = s.w->size(1), P = (s.rows + kPanel - 1) / kPanel;
-      pack_panels(*s.w, s.row0, s.rows, dst);
-      s.out->data = at::from_blob(dst, {P, K / 2, 2 * kPanel}, [arena](void*) {},
-                                  s.w->options());
+      if (s.w->scalar_type() == at::kChar) {
+        pack_panels_i8(*s.w, s.row0, s.rows, reinterpret_cast<int8_t*>(dst));
+        s.out->data = at::from_blob(dst, {P, K, kPanel}, [arena](void*) {}, s.w->options());
+        s.out->scales = s.scales->narrow(0, s.row0, s.rows).contiguous();
+        s.out->int8 = true;
+      } else {
+#ifdef VS_BF16_DOT
+        continue;
+#else
+        pack_panels(*s.w, s.row0, s.rows, reinterpret_cast<uint16_t*>(dst));
+        s.out->data = at::from_blob(dst, {P, K / 2, 2 * kPanel}, [arena](void*) {},
+                                    s.w->options());
+#endif
+      }
       s.out->N = s.rows;
       s.out->K = K;
-      dst += elements(s);
+      dst += bytes(s);
     }
   }
-#endif
+
+  // int8 matrices always run their panels; bf16 ones from kPanelRows rows where built
+  static bool use_panels(int M, const Panels& panels) {
+    return panels.defined() && (panels.int8 || M >= kPanelRows);
+  }
 
   // silu(gate) * up with eager bf16's roundings (each op's result rounded)
   static bf16 silu_mul(float gate_acc, float up_acc) {
@@ -974,12 +1217,11 @@ class FusedDecoder {
               const Panels& panels, int64_t N, Epilogue epilogue) const {
     const int64_t K = w.size(1);
     TORCH_CHECK(x.size(1) == K && x.is_contiguous(), "linear input shape");
-#ifndef VS_BF16_DOT
-    if (M >= kPanelRows && panels.defined()) {
+    if (use_panels(M, panels)) {
       matvec_panels(M, x.data_ptr<bf16>(), panels, epilogue);
       return;
     }
-#endif
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16, "int8 weights without their panels");
     if (M <= gemv_max_rows_ || !packed.defined()) {
       matvec(M, x.data_ptr<bf16>(), w, N, epilogue);
       return;
@@ -1023,10 +1265,12 @@ class FusedDecoder {
   }
 
   std::vector<LayerWeights> layers_;
-  at::Tensor final_norm_, lm_head_, lm_head_p_;
+  at::Tensor final_norm_, lm_head_, lm_head_p_, lm_head_s_;
   Panels lm_head_n_;
   int64_t gemv_max_rows_;
   bool packed_ = false;
+  bool int8_ = false;  // int8 decoder matrices and lm_head (panels only)
+  bool panels_ = false;  // every matrix also as panels: steps of any row count
   int64_t num_heads_, num_kv_heads_, head_dim_, hidden_ = 0, qkv_size_ = 0, intermediate_ = 0;
   float eps_;
 };
@@ -1074,6 +1318,53 @@ at::Tensor panel_matmul(const at::Tensor& x, const at::Tensor& w) {
 #endif
 }
 
+// One weight packed once into the decode GEMV's panels: int8 [N, K] with fp32 scales [N] (every
+// build), or bf16 (emulated builds). forward(x bf16 [M, K]) -> fp32 [M, N], unrounded: for
+// tests (the kernel against x @ (q * s).T) and the GEMV benchmark, which must not time packing.
+class PanelGemv {
+ public:
+  PanelGemv(const at::Tensor& w_in, std::optional<at::Tensor> scales) {
+    const at::Tensor w = w_in.contiguous();
+    TORCH_CHECK(w.dim() == 2, "w: [N, K]");
+    const int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel;
+    panels_.N = N;
+    panels_.K = K;
+    if (w.scalar_type() == at::kChar) {
+      TORCH_CHECK(scales.has_value(), "int8 weights need their scales");
+      panels_.scales = scales->to(at::kFloat).contiguous();
+      check_matrix(w, panels_.scales, "w");
+      panels_.data = at::empty({P, K, kPanel}, w.options());
+      panels_.int8 = true;
+      pack_panels_i8(w, 0, N, panels_.data.data_ptr<int8_t>());
+    } else {
+#ifdef VS_BF16_DOT
+      TORCH_CHECK(false, "bf16 panels are the emulated builds' GEMV; this build has the bf16 dot product");
+#else
+      TORCH_CHECK(w.scalar_type() == at::kBFloat16 && K % 2 == 0, "w: int8, or bf16 with even K");
+      panels_.data = at::empty({P, K / 2, 2 * kPanel}, w.options());
+      pack_panels(w, 0, N, reinterpret_cast<uint16_t*>(panels_.data.data_ptr<bf16>()));
+#endif
+    }
+  }
+
+  at::Tensor forward(const at::Tensor& x_in) const {
+    const at::Tensor x = x_in.to(at::kBFloat16).contiguous();
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == panels_.K && x.size(0) >= 1, "x: [M >= 1, K]");
+    const int M = static_cast<int>(x.size(0));
+    const int64_t N = panels_.N;
+    at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+    float* yp = y.data_ptr<float>();
+    matvec_panels(M, x.data_ptr<bf16>(), panels_, [&](int64_t n0, int64_t n1, const float* acc) {
+      for (int m = 0; m < M; ++m)
+        std::memcpy(yp + m * N + n0, acc + m * (n1 - n0), (n1 - n0) * sizeof(float));
+    });
+    return y;
+  }
+
+ private:
+  Panels panels_;
+};
+
 }  // namespace
 
 // cpu_attention.cpp
@@ -1094,8 +1385,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   pybind11::class_<FusedDecoder>(m, "FusedDecoder")
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor,
-                          std::optional<at::Tensor>, int64_t, int64_t, int64_t, double, int64_t>())
-      .def("forward", &FusedDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+                          std::optional<at::Tensor>, int64_t, int64_t, int64_t, double, int64_t,
+                          std::optional<std::vector<at::Tensor>>>(),
+           pybind11::arg("layers"), pybind11::arg("final_norm"), pybind11::arg("lm_head"),
+           pybind11::arg("lm_head_packed"), pybind11::arg("num_heads"),
+           pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"),
+           pybind11::arg("gemv_max_rows"), pybind11::arg("scales") = pybind11::none())
+      .def("forward", &FusedDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("max_rows", &FusedDecoder::max_rows);
+  pybind11::class_<PanelGemv>(m, "PanelGemv")
+      .def(pybind11::init<const at::Tensor&, std::optional<at::Tensor>>(), pybind11::arg("w"),
+           pybind11::arg("scales") = pybind11::none())
+      .def("forward", &PanelGemv::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("small_matmul", &small_matmul);
   m.def("panel_matmul", &panel_matmul, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("decode_attention", &decode_attention,

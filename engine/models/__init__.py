@@ -92,9 +92,9 @@ def load_model(
     model.visual = visual
     model.load_weights(iter_safetensors(model_dir))
     model.eval()
-    if plan.use_cpu_kernels:
-        kernels = load_cpu_decode()
-        if kernels is not None:  # before packing: the kernel reads plain row-major weights
+    kernels = load_cpu_decode() if plan.use_cpu_kernels else None
+    if kernels is not None:
+        if plan.quantization is None:  # before packing: the kernel reads plain row-major weights
             params = model.decode_kernel_params()
             hp = kernels.copy_to_huge_pages([p.detach() for p in params])
             # the eager path reads the same copy: one set of weights in memory, not two
@@ -102,8 +102,8 @@ def load_model(
             for param, copy in zip(params, hp, strict=True):
                 param.data = copy
             model.decode_kernel_weights_hp = hp
-            model.set_cpu_kernels(kernels)
-            log.info("native CPU kernels on (decoder weights on huge pages)")
+        model.set_cpu_kernels(kernels)
+        log.info("native CPU kernels on (decoder weights on huge pages)")
     if plan.cpu_linears and (model.cpu_kernels is not None or plan.emulated_bf16):
         # the vision tower's linears run once per 64-row work item: F.linear would re-lay-out
         # (or, emulated, run at a fifth of the fp32 rate) each bf16 weight every time
@@ -113,6 +113,8 @@ def load_model(
         # the head too: on small models it is a quarter of the weight bytes a step reads
         replaced = quantize_linears(model, skip_prefixes=("visual",))
         log.info("replaced %d decoder linears (weight-only int8)", replaced)
+        if kernels is not None:  # the fused decode step reads the same int8 weights
+            model.decode_kernel_weights_hp, model.decode_kernel_scales = model.int8_decode_weights()
     elif plan.cpu_linears:
         if model.tie_word_embeddings and not plan.emulated_bf16:
             # the packed head must not alias the embedding table

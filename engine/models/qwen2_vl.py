@@ -131,8 +131,12 @@ class Qwen2VLModel(nn.Module):
         self.vision_impl = "engine"
         self._vision_tower: VisionTower | None = None
         # copies of the decoder weights on huge pages for the fused CPU decode kernel
-        # (engine.kernels); None where that kernel is off or cannot run
+        # (engine.kernels); with int8 weights the int8 tensors themselves (the kernel packs
+        # them into its own huge-page panels); None where that kernel is off or cannot run
         self.decode_kernel_weights_hp: list[torch.Tensor] | None = None
+        # int8 weights (--quantization int8): their per-output-channel scales in the kernel's
+        # order (int8_decode_weights); None for 16-bit weights
+        self.decode_kernel_scales: list[torch.Tensor] | None = None
         self.cpu_kernels = None  # engine.kernels module where the native kernels run
 
     # ---- forward pieces -------------------------------------------------------------------
@@ -180,6 +184,35 @@ class Qwen2VLModel(nn.Module):
                 mlp.down_proj.weight,
             ]
         return [*out, self.norm.weight, self.lm_head.weight]
+
+    def int8_decode_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """After ``quantize_linears``: the fused decode kernel's tensors in the order of
+        :meth:`decode_kernel_weights`, the linears as their int8 weights (shared with the
+        eager Int8Linears, not copied: the kernel packs its own panels from them), and the
+        scales per layer [qkv, o, gate_up, down], then the lm_head's. The qkv bias goes back
+        to the model's dtype, which it came from (Int8Linear keeps it in fp32)."""
+        from engine.layers.quantized import Int8Linear
+
+        dtype = self.norm.weight.dtype
+        weights: list[torch.Tensor] = []
+        scales: list[torch.Tensor] = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            lins = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+            if not all(isinstance(m, Int8Linear) for m in [*lins, self.lm_head]):
+                raise TypeError("int8_decode_weights: the decoder linears are not all int8")
+            weights += [
+                layer.input_layernorm.weight.detach(),
+                attn.qkv_proj.qweight,
+                attn.qkv_proj.bias.to(dtype),
+                attn.o_proj.qweight,
+                layer.post_attention_layernorm.weight.detach(),
+                mlp.gate_up_proj.qweight,
+                mlp.down_proj.qweight,
+            ]
+            scales += [m.scales for m in lins]
+        weights += [self.norm.weight.detach(), self.lm_head.qweight]
+        return weights, [*scales, self.lm_head.scales]
 
     def packed_decoder_weights(self) -> list[torch.Tensor] | None:
         """oneDNN-packed qkv, o, gate_up, down per layer, then lm_head; None if not packed."""

@@ -28,7 +28,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
@@ -48,6 +48,9 @@ from pipelines.logs import kv
 from pipelines.queue import accounting, queue_depth
 from pipelines.redis_urls import make_client
 from vision_serve.auth import bearer_key_dependency
+
+if TYPE_CHECKING:
+    from pipelines.endpoints import EndpointPool
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +209,38 @@ def install_error_handlers(app: FastAPI) -> None:
         return UIError(500, "internal server error", code="internal_error").response()
 
 
+class RedescribePool:
+    """The describer's ``EndpointPool`` for re-describe, made on first use (most ui processes
+    never re-describe, and an unused pool would probe every endpoint forever).
+
+    Its probe task (``EndpointPool.run``) starts with it: without probes an endpoint taken out
+    of rotation by a failed request would only come back while every other one is down too.
+    ``close()`` (the app's lifespan) cancels the task and closes the clients.
+    """
+
+    def __init__(self, config: PipelineConfig) -> None:
+        self.config = config
+        self.pool: EndpointPool | None = None
+        self.probes: asyncio.Task[None] | None = None
+
+    def get(self) -> EndpointPool:
+        if self.pool is None:
+            from pipelines.endpoints import EndpointPool  # the VLM SDK: only when used
+
+            self.pool = EndpointPool(self.config.describer)
+            self.probes = asyncio.create_task(self.pool.run(), name="redescribe-probes")
+        return self.pool
+
+    async def close(self) -> None:
+        if self.probes is not None:
+            self.probes.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.probes
+        if self.pool is not None:
+            await self.pool.close()
+        self.pool = self.probes = None
+
+
 def create_app(config: PipelineConfig) -> FastAPI:
     """The app; its lifespan runs the consumer and the retention loop beside it."""
     store = EventStore(config.events.data_dir)
@@ -214,7 +249,7 @@ def create_app(config: PipelineConfig) -> FastAPI:
     retention = RetentionLoop(store, config.events)
     live = make_client(config.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
     redescribe_slots = asyncio.Semaphore(config.ui.redescribe_concurrency)
-    vlm_client: list[Any] = []  # created on first use: most processes never re-describe
+    endpoints = RedescribePool(config)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -227,8 +262,7 @@ def create_app(config: PipelineConfig) -> FastAPI:
         finally:
             await asyncio.to_thread(consumer.stop)
             await asyncio.to_thread(retention.stop)
-            for client in vlm_client:
-                await client.close()
+            await endpoints.close()
             live.close()
             store.close()
 
@@ -236,6 +270,7 @@ def create_app(config: PipelineConfig) -> FastAPI:
     app.state.store = store
     app.state.consumer = consumer
     app.state.retention = retention
+    app.state.redescribe = endpoints  # its pool, once made: which endpoints are up
     install_error_handlers(app)
     app.add_middleware(SecurityHeaders)
     require_key = Depends(bearer_key_dependency(config.ui.api_key, UIError))
@@ -325,15 +360,12 @@ def create_app(config: PipelineConfig) -> FastAPI:
 
     @api.post("/events/{event_id}/describe")
     async def redescribe(event_id: str) -> dict[str, Any]:
-        """Describe the stored frame again through the ``describer`` endpoint; the new text
-        replaces the description, the previous one is kept in ``history``."""
-        from pipelines.vlm import (
-            EndpointUnavailable,
-            FrameRejected,
-            ServerError,
-            VLMClient,
-            frame_request,
-        )
+        """Describe the stored frame again through the describer's endpoints (the same pool
+        and rules as the workers: least loaded first, a down endpoint is skipped); the new
+        text (and, for a camera with a ``response_schema``, its structured fields) replaces
+        the description, the previous one is kept in ``history``."""
+        from pipelines.describe import structured_fields
+        from pipelines.vlm import EndpointUnavailable, FrameRejected, ServerError, frame_request
 
         row = await asyncio.to_thread(store.row, event_id)
         if row is None:
@@ -341,8 +373,9 @@ def create_app(config: PipelineConfig) -> FastAPI:
         path = await asyncio.to_thread(store.snapshot_file, event_id, False)
         if path is None:
             raise UIError(409, "the event has no stored snapshot", code="snapshot_not_found")
-        d = config.describer
-        if not d.model:
+        if not config.describer.model and not all(
+            e.model for e in config.describer.endpoint_list()
+        ):
             raise UIError(503, "describer.model is not configured", code="vlm_not_configured")
         jpeg = await asyncio.to_thread(path.read_bytes)
         fields = {
@@ -352,25 +385,31 @@ def create_app(config: PipelineConfig) -> FastAPI:
             "width": str(row["width"] or "?"),
             "height": str(row["height"] or "?"),
         }
+        camera = config.camera(row["camera"])
+        schema = camera.describer.response_schema if camera is not None else None
         async with redescribe_slots:
             jpeg, prompt = await frame_request(config, jpeg, fields)
-            if not vlm_client:
-                vlm_client.append(VLMClient(d))
             try:
-                text, info = await vlm_client[0].describe(jpeg, prompt)
+                text, info = await endpoints.get().describe_now(jpeg, prompt, schema)
             except EndpointUnavailable as exc:
                 raise UIError(
                     503, f"VLM endpoint unavailable: {exc}", code="vlm_unavailable"
                 ) from None
             except (ServerError, FrameRejected) as exc:
                 raise UIError(502, f"VLM endpoint failed: {exc}", code="vlm_failed") from None
+        # the store keeps the fields of a JSON answer (as for the describer's ``structured``,
+        # the same parse); an answer the schema should have shaped but did not is logged
+        if schema is not None and structured_fields(text) is None:
+            log.warning(kv("structured_answer_invalid", camera=row["camera"], id=event_id))
         event = await asyncio.to_thread(
             store.replace_description, event_id, text, str(info["model"]), time.time()
         )
         if event is None:  # deleted by retention meanwhile
             raise UIError(404, f"no event {event_id!r}", param="id", code="event_not_found")
         event["history"] = await asyncio.to_thread(store.history, event["seq"])
-        log.info(kv("event_redescribed", id=event_id, camera=row["camera"]))
+        log.info(
+            kv("event_redescribed", id=event_id, camera=row["camera"], endpoint=info["endpoint"])
+        )
         return event
 
     @api.get("/cameras")

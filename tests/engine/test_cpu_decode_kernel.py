@@ -167,6 +167,8 @@ def test_native_prefill_attention_gives_the_same_tokens_chunked_or_not(tiny_chec
         logs = _capture_sampled_logits(llm)
         llm.chat(convs, params)
         logits[budget] = torch.cat(logs)
+        # 16-token chunks fit the kernel's rows: those prompt steps ran fused
+        assert (llm.engine.runner.fused_prefill_steps > 0) == (budget == 16)
     for budget in (16, 64):
         diff = (logits[budget] - logits[4096]).abs().max().item()
         assert diff <= 0.05 * logits[4096].abs().max().item()
@@ -182,20 +184,32 @@ def test_huge_page_copies_are_equal_and_independent() -> None:
 
 
 class _LogitsPairs:
-    """Runs each fused-eligible step both ways and keeps (fused, eager) logits."""
+    """Runs each fused-eligible step both ways and keeps (fused, eager) logits: decode-only
+    steps, or (``prompt_steps``) steps with prompt tokens that fit the kernel's rows."""
 
-    def __init__(self, llm: LLM) -> None:
+    def __init__(self, llm: LLM, prompt_steps: bool = False) -> None:
         self.runner = llm.engine.runner
+        self.prompt_steps = prompt_steps
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._forward = self.runner._forward_and_sample
         self._sample = self.runner._sample
         self.runner._forward_and_sample = self._both
 
+    def _fused(self, chunks) -> torch.Tensor | None:
+        runner = self.runner
+        if not self.prompt_steps:
+            applies = runner._fused_decode_applies(chunks)
+            return runner._fused_decode_logits(chunks) if applies else None
+        if runner._fused_decode_applies(chunks) or not runner._fused_prefill_applies(chunks):
+            return None
+        logits, sampled = runner._fused_step_logits(chunks)
+        return logits if sampled else None
+
     def _both(self, sched):
         runner = self.runner
-        if not runner._fused_decode_applies(sched.chunks):
+        fused = self._fused(sched.chunks)
+        if fused is None:
             return self._forward(sched)
-        fused = runner._fused_decode_logits(sched.chunks)
         seen: list[torch.Tensor] = []
 
         def keep(logits, chunks):
@@ -217,7 +231,14 @@ class _LogitsPairs:
 def test_fused_decode_logits_match_eager(tiny_checkpoint) -> None:
     """Decode steps of 1..12 requests (text and image prompts, several KV blocks each): the
     kernel's own GEMV for a few rows, oneDNN's packed GEMM called from the kernel past that."""
-    llm = LLM(model=str(tiny_checkpoint), dtype="bfloat16", block_size=4, max_num_seqs=12)
+    # a fixed token budget: whole prompts in one step, so all 12 requests decode together
+    llm = LLM(
+        model=str(tiny_checkpoint),
+        dtype="bfloat16",
+        block_size=4,
+        max_num_seqs=12,
+        max_num_batched_tokens=4096,
+    )
     runner = llm.engine.runner
     assert runner.fused_decoder is not None
     pairs = _LogitsPairs(llm)
@@ -241,13 +262,41 @@ def test_fused_decode_logits_match_eager(tiny_checkpoint) -> None:
         assert torch.equal(fused.argmax(-1)[confident], eager.argmax(-1)[confident])
 
 
+def test_fused_prompt_steps_match_eager(tiny_checkpoint) -> None:
+    """Steps carrying prompt chunks (image rows included) beside decodes run the fused kernel
+    while their rows fit its GEMV: each new token a row attending to its own context length,
+    the chunk's keys stored before any row attends. Their logits are the eager path's."""
+    llm = LLM(model=str(tiny_checkpoint), dtype="bfloat16", block_size=4, max_num_batched_tokens=12)
+    runner = llm.engine.runner
+    assert runner.fused_prefill_rows >= 12
+    pairs = _LogitsPairs(llm, prompt_steps=True)
+    convs = [image_conv("what is in this picture?", noise_image(56, 56, 3))]
+    convs += [text_conv("tell me a story about " + "cats " * (5 * i + 3)) for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.chat(convs, params)
+    assert runner.fused_prefill_steps >= 4 and len(pairs.pairs) >= 4
+    for fused, eager in pairs.pairs:
+        scale = eager.abs().max().item()
+        diff = (fused - eager).abs()
+        assert diff.max().item() <= 0.06 * scale
+        top2 = eager.topk(2, dim=-1).values
+        confident = (top2[:, 0] - top2[:, 1]) > 2 * diff.max(dim=-1).values
+        assert torch.equal(fused.argmax(-1)[confident], eager.argmax(-1)[confident])
+
+
 def test_fused_decode_is_as_close_to_fp32_as_eager_bf16(tiny_qwen2_vl) -> None:
     """The kernel's error against the fp32 model is the eager bf16 path's, not more."""
     prompts = [text_conv("tell me about cats " * 3), text_conv("a b c")]
     captured: dict[str, torch.Tensor] = {}
     first_tokens: list[int] = []
     for name, fused in (("fused", True), ("eager", False)):
-        llm = LLM(model=str(tiny_qwen2_vl), dtype="bfloat16", cpu_kernels=fused)
+        # whole prompts in one step: the last sampled step is the decode of both prompts
+        llm = LLM(
+            model=str(tiny_qwen2_vl),
+            dtype="bfloat16",
+            cpu_kernels=fused,
+            max_num_batched_tokens=4096,
+        )
         assert (llm.engine.runner.fused_decoder is not None) == fused
         logs = _capture_sampled_logits(llm)
         outs = llm.chat(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))

@@ -71,8 +71,8 @@ def _plan(monkeypatch, fast_bf16: bool, variant: str | None = "avx2", **kw):
 
 def test_the_platform_plan_decides_together(monkeypatch) -> None:
     """bf16 arithmetic: oneDNN-packed linears, a bf16 tower, small encoder items; bf16
-    emulated: weights kept bf16 and widened, an fp32 tower, 256-row items; int8: no fused
-    kernel (it reads 16-bit weights); the plan is one log line."""
+    emulated: weights kept bf16 and widened, an fp32 tower, 256-row items; int8: the fused
+    kernel with bf16 activations, none with fp32 ones; the plan is one log line."""
     fast = _plan(monkeypatch, True, variant="native-bf16")
     assert (fast.linear_kind, fast.vision_dtype, fast.encoder_rows_per_item) == (
         "onednn-packed",
@@ -89,7 +89,9 @@ def test_the_platform_plan_decides_together(monkeypatch) -> None:
     assert emulated.use_cpu_kernels and emulated.emulated_bf16
     assert "kernels=avx2" in emulated.describe() and "linears=bf16-upcast" in emulated.describe()
     int8 = _plan(monkeypatch, False, quantization="int8")
-    assert int8.linear_kind == "int8" and not int8.use_cpu_kernels
+    assert int8.linear_kind == "int8" and int8.use_cpu_kernels
+    int8_fp32 = _plan(monkeypatch, False, quantization="int8", dtype=torch.float32)
+    assert int8_fp32.linear_kind == "int8" and not int8_fp32.use_cpu_kernels
     assert not _plan(monkeypatch, False, variant=None).use_cpu_kernels  # no build applies
     fp32 = _plan(monkeypatch, False, dtype=torch.float32)
     assert fp32.linear_kind == "onednn-packed" and not fp32.use_cpu_kernels

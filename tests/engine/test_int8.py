@@ -10,7 +10,7 @@ from torch import nn
 
 from engine import LLM, SamplingParams
 from engine.config import EngineArgs
-from engine.kernels import load_int8_linear
+from engine.kernels import load_cpu_decode, load_int8_linear
 from engine.layers.quantized import Int8Linear, quantize_int8
 from tests.engine.helpers import image_conv, noise_image, step_logits, text_conv
 
@@ -57,11 +57,12 @@ def test_quantization_flag_is_validated() -> None:
         EngineArgs(quantization="int4")
 
 
-@pytest.fixture(scope="module")
-def pair(tiny_qwen2_vl):
-    fp32 = LLM(str(tiny_qwen2_vl), dtype="float32", max_num_batched_tokens=256)
-    int8 = LLM(str(tiny_qwen2_vl), dtype="float32", quantization="int8", max_num_batched_tokens=256)
-    return fp32, int8
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def pair(request, tiny_qwen2_vl):
+    """Unquantized and int8 weights with the same activations: fp32 (eager, int8 GEMV) or bf16
+    (the fused decode step where the kernels build, both sides)."""
+    kw = {"dtype": request.param, "max_num_batched_tokens": 256}
+    return LLM(str(tiny_qwen2_vl), **kw), LLM(str(tiny_qwen2_vl), quantization="int8", **kw)
 
 
 def test_every_decoder_linear_is_int8_and_the_vision_tower_is_not(pair) -> None:
@@ -73,11 +74,18 @@ def test_every_decoder_linear_is_int8_and_the_vision_tower_is_not(pair) -> None:
     assert not any(isinstance(m, Int8Linear) for m in model.visual.modules())
 
 
-def test_logits_and_greedy_tokens_track_fp32(pair) -> None:
-    """Stated bounds, measured on the tiny checkpoint: per-step relative logit error under 3 %,
-    and greedy tokens equal wherever fp32's top-2 margin exceeds twice the logit error (a
-    near-tie may flip). The agreement figure for real checkpoints is in benchmarks/."""
+def test_logits_and_greedy_tokens_track_the_unquantized_model(pair) -> None:
+    """Stated bounds, measured on the tiny checkpoint: per-step relative logit error under 3 %
+    with fp32 activations, 4 % with bf16 ones (their rounding adds to the weights': 3.1 % at
+    worst, measured), and greedy tokens equal wherever the unquantized top-2 margin exceeds
+    twice the logit error (a near-tie may flip). Position by position, a flip changes the
+    rest of its sequence: fp32 agreed on 40/40 tokens, bf16 on 25/40 -- bf16 alone agrees
+    with fp32 on 33/40 and bf16 + int8 on 32/40, so two bf16 runs compound their near-ties.
+    The figures for the bench checkpoint are printed by benchmarks/int8.py (agreement, logit
+    error)."""
     fp32, int8 = pair
+    fp32_acts = fp32.engine.dtype == torch.float32
+    bound, min_agreement = (0.03, 0.8) if fp32_acts else (0.04, 0.55)
     agree = total = 0
     for conv in PROMPTS:
         want = fp32.chat(conv, GREEDY)[0].outputs[0].token_ids
@@ -89,8 +97,100 @@ def test_logits_and_greedy_tokens_track_fp32(pair) -> None:
             if got[:step] != want[:step]:
                 break
             rel = ((g - r).norm() / r.norm()).item()
-            assert rel < 0.03, f"step {step}: relative logit error {rel:.4f}"
+            assert rel < bound, f"step {step}: relative logit error {rel:.4f}"
             top2 = r.topk(2, dim=-1).values[0]
             if (top2[0] - top2[1]).item() > 2 * (g - r).abs().max().item():
                 assert got[step] == want[step], f"step {step}: a confident token changed"
-    assert agree / total >= 0.8, f"greedy agreement {agree}/{total}"
+    assert agree / total >= min_agreement, f"greedy agreement {agree}/{total}"
+
+
+# ---- int8 weights inside the fused CPU decode step (bf16 activations) -----------------------
+
+needs_decode_kernel = pytest.mark.skipif(
+    load_cpu_decode() is None, reason="needs AVX-512 or AVX2 and a C++ compiler"
+)
+
+
+@needs_decode_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16])
+@pytest.mark.parametrize(("n", "k"), [(32, 64), (45, 130), (97, 301), (40, 700)])
+def test_int8_panels_compute_with_the_dequantized_weight(rows, n, k) -> None:
+    """The fused step's int8 GEMV (panels, any row count): a last panel short of 32 features,
+    odd K, K past one 256-k chunk, every row-block shape (1-2 rows both panel halves, more in
+    half blocks on AVX2). Only the fp32 summation order differs from x @ (q * s).T."""
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    q, scales = quantize_int8(torch.randn(n, k, generator=gen))
+    got = load_cpu_decode().PanelGemv(q, scales).forward(x)
+    want = x.float() @ (q.float() * scales[:, None]).T
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6 * k)
+
+
+@pytest.fixture(scope="module")
+def bf16_int8(tiny_qwen2_vl):
+    return LLM(
+        str(tiny_qwen2_vl),
+        dtype="bfloat16",
+        quantization="int8",
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=4096,
+    )
+
+
+@needs_decode_kernel
+def test_fused_int8_step_logits_match_the_eager_int8_path(bf16_int8) -> None:
+    """Every decode step of 1..5 rows run both ways: the fused kernel and the eager path
+    (Int8Linear's GEMV, per-op norms, SDPA) compute the same products with the same
+    roundings, so the logits differ by fp32 summation order and the bf16 roundings it flips:
+    measured at most 1.2 % of the largest logit (mean 0.25 %), the same as bf16 weights'
+    fused-against-eager difference (1.9 %, 0.3 %; their test allows 6 %)."""
+    from tests.engine.test_cpu_decode_kernel import _LogitsPairs
+
+    runner = bf16_int8.engine.runner
+    assert runner.fused_decoder is not None and bf16_int8.engine.model.decode_kernel_scales
+    pairs = _LogitsPairs(bf16_int8)
+    bf16_int8.chat(PROMPTS, GREEDY)
+    bf16_int8.chat(PROMPTS[:1], GREEDY)
+    assert {fused.shape[0] for fused, _ in pairs.pairs} >= {1, 5}
+    for fused, eager in pairs.pairs:
+        scale, diff = eager.abs().max().item(), (fused - eager).abs()
+        assert diff.max().item() <= 0.03 * scale, f"max |fused - eager| {diff.max():.4f}"
+        assert diff.mean().item() <= 0.005 * scale, f"mean |fused - eager| {diff.mean():.4f}"
+        assert torch.equal(fused.argmax(-1), eager.argmax(-1))
+    runner._forward_and_sample = pairs._forward
+
+
+@needs_decode_kernel
+def test_fused_int8_greedy_tokens_equal_the_eager_int8_path(bf16_int8) -> None:
+    runner = bf16_int8.engine.runner
+    before = runner.fused_decode_steps
+    fused = [o.outputs[0].token_ids for o in bf16_int8.chat(PROMPTS, GREEDY)]
+    assert runner.fused_decode_steps > before
+    decoder, runner.fused_decoder = runner.fused_decoder, None
+    try:
+        eager = [o.outputs[0].token_ids for o in bf16_int8.chat(PROMPTS, GREEDY)]
+    finally:
+        runner.fused_decoder = decoder
+    assert fused == eager
+
+
+@needs_decode_kernel
+def test_fused_int8_with_chunked_prefill_and_preemption(tiny_qwen2_vl) -> None:
+    """A KV pool too small for all requests (preemption, recompute) and 16-token prompt
+    chunks: the int8 fused step serves the decodes, every request finishes, every block comes
+    back, and the tokens are the roomy run's (recomputed keys are bf16 products of another
+    path, so a near-tie may flip: most, not all)."""
+    convs = [text_conv(f"request number {i}: describe the scene " * (1 + i % 3)) for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kw = {"dtype": "bfloat16", "quantization": "int8", "block_size": 4}
+    roomy = LLM(str(tiny_qwen2_vl), **kw)
+    want = [o.outputs[0].token_ids for o in roomy.chat(convs, params)]
+    tight = LLM(str(tiny_qwen2_vl), num_kv_blocks=40, max_num_batched_tokens=16, **kw)
+    got = [o.outputs[0].token_ids for o in tight.chat(convs, params)]
+    stats = tight.engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.kv_blocks_used == 0
+    assert tight.engine.runner.fused_decode_steps > 0
+    same = sum(a == b for w, g in zip(want, got, strict=True) for a, b in zip(w, g, strict=True))
+    assert same / sum(len(w) for w in want) >= 0.9

@@ -135,6 +135,7 @@ def test_calibration_is_cached_per_machine_model_and_dtype(tiny_qwen2_vl, tmp_pa
     import engine.calibration as calibration
 
     monkeypatch.setenv("VISION_SERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibration, "_busy_load", lambda: None)  # whatever runs beside
     runs = []
     real = calibration.calibrate
     monkeypatch.setattr(calibration, "calibrate", lambda *a, **k: runs.append(1) or real(*a, **k))
@@ -151,3 +152,19 @@ def test_calibration_is_cached_per_machine_model_and_dtype(tiny_qwen2_vl, tmp_pa
         path.write_text("{not json")
     assert LLM(str(tiny_qwen2_vl), dtype="float32").engine.scheduler.cost_model.ready
     assert len(runs) == 3, "a corrupt cache is measured again, not trusted"
+
+
+def test_a_calibration_timed_on_a_busy_machine_is_used_but_not_cached(
+    tiny_qwen2_vl, tmp_path, monkeypatch, caplog
+):
+    """Steps timed while other work held the cores would set this machine's prices for every
+    later start; they seed this engine only."""
+    import engine.calibration as calibration
+
+    monkeypatch.setenv("VISION_SERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibration.os, "getloadavg", lambda: (64.0, 64.0, 64.0))
+    with caplog.at_level("WARNING", logger="engine.calibration"):
+        model = LLM(str(tiny_qwen2_vl), dtype="float32").engine.scheduler.cost_model
+    assert model.ready
+    assert not list(tmp_path.glob("calibration/*.json"))
+    assert "calibration not cached: the machine was busy" in caplog.text

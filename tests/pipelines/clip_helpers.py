@@ -1,16 +1,17 @@
-"""A generated clip with known boxes: people cut out of Ultralytics' ``bus.jpg`` walking
-across a fixed background, and a detector stand-in that finds them by background difference.
+"""Generated clips with known boxes: people from Ultralytics' sample images walking across
+a fixed background, and a detector stand-in that finds them by background difference.
 
-Why a stand-in: the trained person detector (``vision-serve make-detector``) is built
-elsewhere; until it exists, tracking, gating and zones are driven by boxes found *in the
-frames* (pixels that differ from the empty background), so the real tracker and gate see
-exactly what moves in the clip. Tests that need a real detector say so and skip without it.
+Two kinds of walkers. ``Walker``: a rectangle of ``bus.jpg`` around a person, found by the
+``DifferenceDetector`` (pixels that differ from the empty background), so the unit tests of
+tracking, gating and zones see exactly what moves and need no trained model. ``Cutout``: one
+of the people ``vision-serve make-detector`` trains on (``synthetic.person_sprites()``,
+GrabCut cut-outs), pasted the way its training frames are, for the tests that run the
+trained detector on a clip.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,6 +106,62 @@ def boxes_by_difference(image: np.ndarray) -> list[Box]:
     return out
 
 
+@dataclass(frozen=True)
+class Cutout:
+    """One of make-detector's cut-out people (``synthetic.person_sprites()[person]``),
+    ``height`` pixels tall, feet on the line ``feet_y``, walking with its left edge from
+    ``start_x`` to ``end_x``; visible from frame ``first`` to ``last`` inclusive."""
+
+    person: int
+    height: int
+    feet_y: int
+    start_x: float
+    end_x: float
+    first: int
+    last: int
+
+    def box(self, i: int) -> Box | None:
+        if not self.first <= i <= self.last:
+            return None
+        from pipelines import synthetic
+
+        image = synthetic.person_sprites()[self.person].image
+        width = self.height * image.shape[1] / image.shape[0]
+        t = (i - self.first) / max(self.last - self.first, 1)
+        x = self.start_x + (self.end_x - self.start_x) * t
+        return (x, float(self.feet_y - self.height), x + width, float(self.feet_y))
+
+
+def render_cutouts(cutouts: Sequence[Cutout], i: int) -> tuple[np.ndarray, list[Box | None]]:
+    """Frame ``i`` on the two-tone ``background()`` and each cut-out's box (None: not in it)."""
+    from pipelines import synthetic
+
+    image = background().copy()
+    boxes = []
+    for cutout in cutouts:
+        box = cutout.box(i)
+        if box is not None:
+            synthetic.paste(image, synthetic.person_sprites()[cutout.person], box)
+        boxes.append(box)
+    return image, boxes
+
+
+def write_cutout_clip(path: Path, cutouts: Sequence[Cutout], count: int, fps: int) -> Path:
+    """The cut-out clip as an MP4 file (a file camera plays it)."""
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, SIZE)
+    for i in range(count):
+        writer.write(render_cutouts(cutouts, i)[0])
+    writer.release()
+    return path
+
+
+def iou(a: Box, b: Box) -> float:
+    x1, y1, x2, y2 = max(a[0], b[0]), max(a[1], b[1]), min(a[2], b[2]), min(a[3], b[3])
+    inter = max(0.0, x2 - x1) * max(0.0, y2 - y1)
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return inter / union if union > 0 else 0.0
+
+
 class DifferenceDetector:
     """A ``FrameDetector`` stand-in: a person wherever the frame differs from the clip's
     background, confidence 0.9. Counts its calls like ``Detector``."""
@@ -122,14 +179,6 @@ class DifferenceDetector:
             [Detection(0, "person", 0.9, box) for box in boxes_by_difference(f.image)]
             for f in frames
         ]
-
-
-def trained_detector_weights() -> Path | None:
-    """THE TRAINED DETECTOR (``vision-serve make-detector``), when it has been built:
-    ``VS_TEST_DETECTOR_WEIGHTS`` names its weights. None until then (the lead wires the
-    cache location once make-detector lands)."""
-    path = os.environ.get("VS_TEST_DETECTOR_WEIGHTS")
-    return Path(path) if path and Path(path).exists() else None
 
 
 def write_clip(path: Path, walkers: Sequence[Walker], count: int, fps: int) -> Path:

@@ -282,3 +282,16 @@ def test_bad_zone_and_gate_config_is_an_error_naming_the_field(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         build_config("redis://127.0.0.1:1/0", cameras=[{"id": "cam", "url": "x", **camera}])
+
+
+def test_tracker_fields_replace_the_ultralytics_yaml_values() -> None:
+    from pipelines.config import TrackerConfig
+    from pipelines.tracking import tracker_args
+
+    default = tracker_args(TrackerConfig())
+    assert default.fuse_score is True and default.track_high_thresh == 0.25  # bytetrack.yaml
+    tuned = tracker_args(
+        TrackerConfig(fuse_score=False, track_high_thresh=0.13, new_track_thresh=0.13)
+    )
+    assert tuned.fuse_score is False
+    assert (tuned.track_high_thresh, tuned.new_track_thresh) == (0.13, 0.13)

@@ -120,6 +120,19 @@ inline vf load_bf16(const void* p, int64_t n) {
   if (n > 0) std::memcpy(buf, p, n * sizeof(uint16_t));
   return load_bf16(buf);
 }
+// int8 -> fp32 (weight-only int8 matrices): sign-extend to 32 bits, convert. The 8-byte loads
+// fold into vpmovsxbd's memory operand, so 16 weights cost 4 uops, none of them an FMA
+inline vf load_i8(const int8_t* p) {
+  const __m256i lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  return {_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi)};
+}
+inline vf load_i8(const int8_t* p, int64_t n) {
+  if (n >= 16) return load_i8(p);
+  alignas(16) int8_t buf[16] = {};
+  if (n > 0) std::memcpy(buf, p, n);
+  return load_i8(buf);
+}
 // round to nearest even, in place in the fp32 bits (inputs are finite)
 inline __m256i round_bits(__m256 x) {
   const __m256i bits = _mm256_castps_si256(x);

@@ -54,6 +54,13 @@ inline vf keep_first(vf v, int64_t n, float fill) { return _mm512_mask_mov_ps(se
 inline vf widen(vh raw) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)); }
 inline vf load_bf16(const void* p) { return widen(_mm256_loadu_si256(static_cast<const __m256i*>(p))); }
 inline vf load_bf16(const void* p, int64_t n) { return widen(_mm256_maskz_loadu_epi16(lanes(n), p)); }
+// int8 -> fp32 (weight-only int8 matrices): sign-extend 16 bytes to 32 bits, convert
+inline vf load_i8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline vf load_i8(const int8_t* p, int64_t n) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(lanes(n), p)));
+}
 // 16 fp32 -> 16 bf16, round to nearest even (vcvtneps2bf16); inputs are finite
 inline vh to_bf16(vf x) {
 #ifdef __AVX512BF16__
