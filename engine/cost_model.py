@@ -1,7 +1,7 @@
 """An online model of step time, learnt from the steps the engine actually ran.
 
     step_s ≈ fixed + l·lm_forward + a·prefill_tokens + b·decode_tokens
-             + Σ_k h_k·max(0, rows − k) + j·[rows > 4] + c·attention_units + d·encoder_units
+             + Σ_k h_k·max(0, rows − k) + c·attention_units + d·encoder_units
 
 ``rows`` are all new tokens of the step (decode and prefill): the weights are read once per
 step whatever the row count, so up to the machine's ridge point (a few rows on a CPU, hundreds
@@ -39,18 +39,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-ROW_KNOTS = (4, 8, 32, 128, 512)
-# rows past which a step may cost a jump, not a slope: the fused CPU kernel keeps up to 4
-# activation rows in registers per pass over the weights; past that it takes other code
-# paths (row blocks, then panels), and where registers are few (AVX2: 16) the first row
-# beyond costs several rows' worth. The fit learns the jump where it exists (~0 elsewhere)
-ROW_JUMP = 4
+ROW_KNOTS = (8, 32, 128, 512)
 FEATURES = (
     "fixed",
     "prefill_tokens",
     "decode_tokens",
     *(f"rows_over_{k}" for k in ROW_KNOTS),
-    f"past_{ROW_JUMP}_rows",
     "attention_kunits",
     "encoder_kunits",
     "eager_forward",
@@ -87,7 +81,6 @@ class StepFeatures:
                 self.prefill_tokens,
                 self.decode_tokens,
                 *(max(0, rows - k) for k in ROW_KNOTS),
-                float(rows > ROW_JUMP),
                 self.attention_units / 1e3,
                 self.encoder_units / 1e3,
                 float(self.eager_forward),

@@ -277,12 +277,13 @@ class Scheduler:
 
     def _fit_or_defer(self, req: Request, start: int, n: int, budget: StepBudget) -> int:
         """The largest chunk the step's time allows; a prefill deferred for
-        ``max_deferred_steps`` steps gets one block's worth anyway (no starvation)."""
+        ``max_deferred_steps`` steps gets a chunk anyway (no starvation): one block's worth,
+        or the rows the fused kernel still takes, so the forced step stays a fused one."""
         k = budget.fit_chunk(start, n)
         if k == 0:
             req.deferred_steps += 1
             if req.deferred_steps > self.config.max_deferred_steps:
-                return min(n, self.kv.block_size)
+                return min(n, budget.starved_chunk(self.kv.block_size))
         return k
 
     # ---- stall-free encoding --------------------------------------------------------------

@@ -159,6 +159,16 @@ class StepBudget:
             k = lo
         return self._better_fused(k, cost)
 
+    def starved_chunk(self, block_size: int) -> int:
+        """Tokens a prefill starved by the time limit gets anyway: one block, or fewer when
+        more would push the step out of the fused kernel (whose eager floor would stall every
+        chat stream in it), at least one."""
+        f = self.features
+        spare = f.fused_prefill_rows - f.prefill_tokens - f.decode_tokens
+        if not f.fused_decode_rows or f.fused_prefill_rows <= 0:
+            return block_size
+        return max(1, min(block_size, spare))
+
     def _better_fused(self, k: int, cost: Callable[[int], float]) -> int:
         """A chunk that would push the step out of the fused kernel is cut back to the rows
         the kernel still takes when that is more prompt tokens per predicted second: past its

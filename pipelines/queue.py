@@ -410,10 +410,22 @@ def encode_entry(item: Outgoing, cfg: QueueConfig) -> tuple[bytes, dict[str, str
         x1, y1, x2, y2 = det.box
         d["box"] = [round(v * scale, 1) for v in (x1 - ox, y1 - oy, x2 - ox, y2 - oy)]
         boxes.append(d)
+    fields = _entry_fields(item, item.frame.ts, item.frame.seq, boxes, width, height)
+    if item.crop is not None:
+        full_h, full_w = item.frame.image.shape[:2]
+        fields["crop"] = json.dumps([ox, oy, ox + image.shape[1], oy + image.shape[0]])
+        fields["frame_width"], fields["frame_height"] = str(full_w), str(full_h)
+    return buf.tobytes(), fields
+
+
+def _entry_fields(
+    item: Outgoing, ts: float, seq: int, boxes: list, width: int, height: int
+) -> dict[str, str]:
+    """The fields every frame entry carries, a single frame's or a clip's (its last frame)."""
     fields = {
         "camera": item.frame.camera_id,
-        "ts": f"{item.frame.ts:.6f}",
-        "seq": str(item.frame.seq),
+        "ts": f"{ts:.6f}",
+        "seq": str(seq),
         "persons": str(len(item.detections)),
         "boxes": json.dumps(boxes, separators=(",", ":")),
         "width": str(width),
@@ -422,11 +434,7 @@ def encode_entry(item: Outgoing, cfg: QueueConfig) -> tuple[bytes, dict[str, str
     }
     if item.tracks:
         fields["tracks"] = json.dumps(list(item.tracks))
-    if item.crop is not None:
-        full_h, full_w = item.frame.image.shape[:2]
-        fields["crop"] = json.dumps([ox, oy, ox + image.shape[1], oy + image.shape[0]])
-        fields["frame_width"], fields["frame_height"] = str(full_w), str(full_h)
-    return buf.tobytes(), fields
+    return fields
 
 
 def encode_clip(item: Outgoing, cfg: QueueConfig) -> tuple[bytes, dict[str, str], bytes]:
@@ -470,18 +478,7 @@ def encode_clip(item: Outgoing, cfg: QueueConfig) -> tuple[bytes, dict[str, str]
             f"{cfg.max_clip_bytes}: lower clip_frames, max_image_side or jpeg_quality"
         )
     boxes = _boxes_in(item.detections, region, scale)
-    fields = {
-        "camera": item.frame.camera_id,
-        "ts": f"{last.ts:.6f}",
-        "seq": str(last.seq),
-        "persons": str(len(item.detections)),
-        "boxes": json.dumps(boxes, separators=(",", ":")),
-        "width": str(width),
-        "height": str(height),
-        "gate": item.gate_reason,
-    }
-    if item.tracks:
-        fields["tracks"] = json.dumps(list(item.tracks))
+    fields = _entry_fields(item, last.ts, last.seq, boxes, width, height)
     if clip.crop is not None:
         fields["crop"] = json.dumps(list(region))
         fields["frame_width"], fields["frame_height"] = str(full_w), str(full_h)

@@ -10,7 +10,6 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.cost_model import StepCostModel, StepFeatures
-from engine.step_budget import StepBudget, StepLimits
 from tests.engine.helpers import SYNTHETIC_COSTS, image_conv, noise_image, text_conv
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -304,41 +303,6 @@ def test_cost_model_learns_the_eager_forward_premium():
     for f in samples * 2:
         model.observe(f, truth(f))
     assert model.coefficients()["eager_forward"] == pytest.approx(0.007, rel=1e-3)
-
-
-def test_cost_model_learns_a_jump_past_four_rows():
-    """On AVX2 the fused kernel's step costs 15 ms at 4 rows, 28 at 8 and 37 at 16 (measured,
-    bench checkpoint): the first rows past 4 cost a jump, then ~1 ms a row. A convex fit
-    priced a 6-row step near the 4-row one, so an ITL target let prompt rows ride along that
-    stretched every chat step to ~1.8x. The jump is learnt; prompt rows that would cross it
-    beside 4 decodes do not fit a 1.25x target."""
-
-    def truth(f: StepFeatures) -> float:
-        rows = f.decode_tokens + f.prefill_tokens
-        return 0.012 + 0.001 * rows + 0.010 * (rows > 4)
-
-    model = StepCostModel(refit_every=1)
-    kw = {"fused_decode_rows": 16, "fused_prefill_rows": 16}
-    samples = [StepFeatures(decode_tokens=d, **kw) for d in (1, 2, 4, 8, 16)]
-    samples += [StepFeatures(decode_tokens=4, prefill_tokens=p, **kw) for p in (1, 2, 4, 8, 12)]
-    for f in samples * 2:
-        model.observe(f, truth(f))
-    for probe in (
-        StepFeatures(decode_tokens=4, **kw),
-        StepFeatures(decode_tokens=4, prefill_tokens=2, **kw),
-        StepFeatures(decode_tokens=12, **kw),
-    ):
-        assert model.predict(probe) == pytest.approx(truth(probe), rel=0.05)
-    budget = StepBudget(
-        StepLimits(max_tokens=2048, target_itl_s="auto"),
-        model,
-        fused_decode_rows=16,
-        fused_prefill_rows=16,
-    )
-    for _ in range(4):
-        budget.add_decode(100)
-    budget.open_prefill(interactive_decoding=True)
-    assert budget.fit_chunk(0, 500) == 0
 
 
 def test_an_itl_target_starts_from_a_calibrated_cost_model(tiny_qwen2_vl):

@@ -253,13 +253,7 @@ def test_fused_decode_logits_match_eager(tiny_checkpoint) -> None:
     sizes = {fused.shape[0] for fused, _ in pairs.pairs}
     assert 1 in sizes and 12 in sizes
     assert any(runner.GEMV_MAX_ROWS < n < 12 for n in sizes)
-    for fused, eager in pairs.pairs:
-        scale = eager.abs().max().item()
-        diff = (fused - eager).abs()
-        assert diff.max().item() <= 0.06 * scale
-        top2 = eager.topk(2, dim=-1).values
-        confident = (top2[:, 0] - top2[:, 1]) > 2 * diff.max(dim=-1).values
-        assert torch.equal(fused.argmax(-1)[confident], eager.argmax(-1)[confident])
+    _assert_pairs_agree(pairs)
 
 
 def test_fused_prompt_steps_match_eager(tiny_checkpoint) -> None:
@@ -275,6 +269,12 @@ def test_fused_prompt_steps_match_eager(tiny_checkpoint) -> None:
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     llm.chat(convs, params)
     assert runner.fused_prefill_steps >= 4 and len(pairs.pairs) >= 4
+    _assert_pairs_agree(pairs)
+
+
+def _assert_pairs_agree(pairs: _LogitsPairs) -> None:
+    """Fused logits within bf16 noise of eager ones, and the same token wherever the eager
+    top two are further apart than that noise."""
     for fused, eager in pairs.pairs:
         scale = eager.abs().max().item()
         diff = (fused - eager).abs()
