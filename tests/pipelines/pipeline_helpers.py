@@ -588,3 +588,18 @@ def iou(a: Any, b: Any) -> float:
     inter = ix * iy
     union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
     return inter / union if union else 0.0
+
+
+def wait_all_described(
+    pipeline: Any, client: redis.Redis, queue_cfg: Any, timeout: float, what: str
+) -> None:
+    """Until every entry the pipeline enqueued has a description (at least one) and none is
+    pending: the end of a pipeline -> describer run."""
+    wait_until(
+        lambda: (
+            pipeline.queue.enqueued == len(descriptions(client, queue_cfg)) > 0
+            and pending_count(client, queue_cfg) == 0
+        ),
+        timeout,
+        what=what,
+    )

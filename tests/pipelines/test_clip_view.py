@@ -22,7 +22,12 @@ import httpx
 import numpy as np
 import pytest
 from clip_helpers import DifferenceDetector, Walker, write_clip
-from pipeline_helpers import DescriberThread, descriptions, pending_count, wait_until
+from pipeline_helpers import (
+    DescriberThread,
+    descriptions,
+    wait_all_described,
+    wait_until,
+)
 
 from pipelines.clips import Clip, ClipBuffer, pick_evenly
 from pipelines.config import ConfigError
@@ -262,14 +267,7 @@ def test_a_clip_camera_is_described_from_a_video_of_its_track(
         pipeline.stop()
         thread.join(20)
     try:
-        wait_until(
-            lambda: (
-                pipeline.queue.enqueued == len(descriptions(client, config.queue)) > 0
-                and pending_count(client, config.queue) == 0
-            ),
-            90,
-            what="every enqueued clip described",
-        )
+        wait_all_described(pipeline, client, config.queue, 90, "every enqueued clip described")
     finally:
         worker.stop()
     got = descriptions(client, config.queue)

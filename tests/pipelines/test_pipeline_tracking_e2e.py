@@ -28,7 +28,12 @@ import cv2
 import numpy as np
 import pytest
 from clip_helpers import Cutout, DifferenceDetector, Walker, iou, write_clip, write_cutout_clip
-from pipeline_helpers import DescriberThread, descriptions, pending_count, wait_until
+from pipeline_helpers import (
+    DescriberThread,
+    descriptions,
+    wait_all_described,
+    wait_until,
+)
 
 from pipelines import metrics
 from pipelines.detect import Detection
@@ -85,14 +90,7 @@ def test_each_track_in_the_zone_is_described_once(
         pipeline.stop()
         thread.join(20)
     try:
-        wait_until(
-            lambda: (
-                pipeline.queue.enqueued == len(descriptions(client, config.queue))
-                and pending_count(client, config.queue) == 0
-            ),
-            60,
-            what="every enqueued frame described",
-        )
+        wait_all_described(pipeline, client, config.queue, 60, "every enqueued frame described")
     finally:
         worker.stop()
 
@@ -209,14 +207,7 @@ def test_real_detections_give_stable_tracks_described_once_in_the_zone(
         pipeline.stop()
         thread.join(20)
     try:
-        wait_until(
-            lambda: (
-                pipeline.queue.enqueued == len(descriptions(client, config.queue))
-                and pending_count(client, config.queue) == 0
-            ),
-            120,
-            what="every enqueued frame described",
-        )
+        wait_all_described(pipeline, client, config.queue, 120, "every enqueued frame described")
     finally:
         worker.stop()
 
