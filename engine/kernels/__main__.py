@@ -44,17 +44,20 @@ ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="with --pr
 ap.add_argument("--all", action="store_true", help="with --compile-check: every variant")
 args = ap.parse_args()
 
-if args.compile_check:
-    variants = list(VARIANTS) if args.all else variants_not_loaded()
-    results = compile_check(variants=variants)
+
+def _report(results: dict[str, str | None], what: str, seconds: float | None = None) -> None:
+    """Each failure on stderr, one count line, and the exit status CI reads."""
     failed = {name: err for name, err in results.items() if err}
     for name, err in failed.items():
         print(f"{name}: FAILED\n{err}", file=sys.stderr)
-    print(
-        f"kernel sources compiled ({', '.join(variants)}): {len(results) - len(failed)}/"
-        f"{len(results)}"
-    )
+    took = "" if seconds is None else f" in {seconds:.0f} s"
+    print(f"{what}: {len(results) - len(failed)}/{len(results)}{took}")
     sys.exit(1 if failed else 0)
+
+
+if args.compile_check:
+    variants = list(VARIANTS) if args.all else variants_not_loaded()
+    _report(compile_check(variants=variants), f"kernel sources compiled ({', '.join(variants)})")
 
 if args.prebuild is not None:
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -62,14 +65,7 @@ if args.prebuild is not None:
         sys.exit(0)
     t0 = time.perf_counter()
     results = prebuild(args.prebuild, args.variants)
-    failed = {name: err for name, err in results.items() if err}
-    for name, err in failed.items():
-        print(f"{name}: FAILED\n{err}", file=sys.stderr)
-    print(
-        f"kernel modules prebuilt into {args.prebuild}: {len(results) - len(failed)}/"
-        f"{len(results)} in {time.perf_counter() - t0:.0f} s"
-    )
-    sys.exit(1 if failed else 0)
+    _report(results, f"kernel modules prebuilt into {args.prebuild}", time.perf_counter() - t0)
 
 if args.verify is not None:
     variant = cpu_variant()
