@@ -68,8 +68,11 @@ def decode_step_ms(llm: LLM, rows: int, steps: int) -> float:
     """Median wall time of a decode-only step with ``rows`` running sequences."""
     eng = llm.engine
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    # batch priority: interactive prompts arriving beside a decoding one are prefilled a few
+    # tokens a step (the ITL target protects the first), and the first rows would then run out
+    # of tokens while the last still prefill -- the timed steps would hold fewer rows
     for i in range(rows):
-        eng.add_request(f"decode-{rows}-{i}", PROMPTS[i % len(PROMPTS)], params)
+        eng.add_request(f"decode-{rows}-{i}", PROMPTS[i % len(PROMPTS)], params, priority="batch")
     # until every sequence has its first token: the steps after are decode-only
     while any(r.is_prefill for r in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()
@@ -79,6 +82,9 @@ def decode_step_ms(llm: LLM, rows: int, steps: int) -> float:
         t0 = time.perf_counter()
         eng.step()
         times.append(time.perf_counter() - t0)
+    decoding = sum(1 for r in eng.scheduler.running if not r.is_prefill)
+    if decoding != rows:
+        raise RuntimeError(f"{decoding} of {rows} rows still decoding after the timed steps")
     while eng.has_unfinished():
         eng.step()
     return statistics.median(times) * 1e3

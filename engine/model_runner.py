@@ -255,17 +255,24 @@ class ModelRunner:
         lengths = torch.tensor(
             [c.start + i + 1 for c in chunks for i in range(c.num_tokens)], dtype=torch.long
         )
-        self.fused_prefill_steps += 1
-        logits = self.fused_decoder.forward(
-            self._input_embeddings(chunks), cos, sin, tables, lengths, self.block_size
-        )
         rows, sampled_chunks, row = [], [], 0
         for c in chunks:
             row += c.num_tokens
             if c.sample:
                 rows.append(row - 1)
                 sampled_chunks.append(c)
-        return logits[rows], sampled_chunks
+        self.fused_prefill_steps += 1
+        # only the sampled rows through the lm_head: the rest of a chunk needs no logits
+        logits = self.fused_decoder.forward(
+            self._input_embeddings(chunks),
+            cos,
+            sin,
+            tables,
+            lengths,
+            self.block_size,
+            torch.tensor(rows, dtype=torch.long),
+        )
+        return logits, sampled_chunks
 
     def _fused_decode_applies(self, chunks: list[ScheduledChunk]) -> bool:
         return (

@@ -269,20 +269,24 @@ struct Panels {
 };
 
 constexpr int64_t kPanel = 32;
-constexpr int kPanelRows = 8;  // fewest rows that take bf16 panels: at 6 they were 4 % slower
+constexpr bool kWideRegs = vs::kVecRegs >= 32;
+// fewest rows that take bf16 panels: on an Ice Lake at 6 rows they were 4 % slower; on a Zen 3
+// (AVX2, 6-row blocks) from 4 rows they are faster (4 rows: 10.6 against 14.6 ms a decoder
+// pass), at 2-3 rows the same
+constexpr int kPanelRows = kWideRegs ? 8 : 4;
 
 // Register blocks of the panel kernels: R activation rows x V halves (16 features each) of a
 // panel. AVX-512 takes both halves of up to 8 rows (16 of 32 registers accumulate). AVX2 has
 // 16 ymm registers, half a logical vector each: there both halves of even 2 bf16 rows spilled
 // three accumulators on every k, so blocks of more rows take one half of the panel (up to 6
-// int8 rows: 12 accumulators, the widened weights and a broadcast; 4 bf16 rows, whose widened
-// pairs take twice the registers) and the last 1-2 rows both halves. Each block widens the
+// rows: 12 accumulators, the widened weights and a broadcast -- bf16 widens the even and the
+// odd elements of its pairs in turn, see panel_block; with both live it took 4 rows, and a
+// 16-row decoder pass ran at 73 GFLOP/s against 87-100 now) and the last 1-2 rows both halves. Each block widens the
 // weights it reads once: the widening runs on other ports than the FMAs. FMA latency times
 // the two FMA ports asks for 8 independent accumulators: 8 int8 rows go as 6 + 2 (12 and 8
 // chains), not 4 + 4 (8 and 8, the bare minimum: 5 % slower at 8 rows, 10 % at 7).
-constexpr bool kWideRegs = vs::kVecRegs >= 32;
 constexpr int kFullRowsI8 = kWideRegs ? 8 : 2, kHalfRowsI8 = 6;
-constexpr int kFullRowsBf16 = kWideRegs ? 8 : 1, kHalfRowsBf16 = 4;
+constexpr int kFullRowsBf16 = kWideRegs ? 8 : 1, kHalfRowsBf16 = 6;
 
 // One row block of a panel pass: rows [m0, m0 + rows), halves [h0, h0 + V)
 struct PanelBlock {
@@ -391,8 +395,12 @@ void pack_panels(const at::Tensor& w, int64_t row0, int64_t rows, uint16_t* dst)
   });
 }
 
-// The same for a bf16 panel over k pairs [i0, i1). The even/odd products of a pair go to one
-// accumulator: with R >= 2 rows there are enough independent chains to hide the FMA latency.
+// The same for a bf16 panel over k pairs [i0, i1). Each accumulator takes the even product of
+// a pair, then the odd one, with only one of the two widened weight sets live at a time: on
+// AVX2 (16 ymm registers) a block of 6 rows then fits (12 accumulators, 2 widened, a
+// broadcast), 12 independent FMA chains, where 4 rows with both sets live left 8 chains of two
+// dependent FMAs per pair: latency-bound (see kHalfRowsBf16). The sums per
+// accumulator are the same sequence of FMAs either way.
 template <int R, int V>
 __attribute__((noinline)) void panel_block(const float* x, int64_t K, const uint16_t* panel,
                                            int h0, int64_t i0, int64_t i1, bool first,
@@ -408,12 +416,19 @@ __attribute__((noinline)) void panel_block(const float* x, int64_t K, const uint
       __builtin_prefetch(reinterpret_cast<const char*>(wp) + 8192);
       __builtin_prefetch(reinterpret_cast<const char*>(wp) + 8192 + 64);
     }
-    vf e[V], o[V];
-    for (int v = 0; v < V; ++v) vs::widen_pairs(vs::load_pairs(wp + 32 * (h0 + v)), e[v], o[v]);
+    {
+      vf e[V];
+      for (int v = 0; v < V; ++v) e[v] = vs::widen_even(wp + 32 * (h0 + v));
+      for (int r = 0; r < R; ++r) {
+        const vf xe = vs::set1(x[r * K + 2 * i]);
+        for (int v = 0; v < V; ++v) acc[r][v] = vs::fmadd(e[v], xe, acc[r][v]);
+      }
+    }
+    vf o[V];
+    for (int v = 0; v < V; ++v) o[v] = vs::widen_odd(wp + 32 * (h0 + v));
     for (int r = 0; r < R; ++r) {
-      const vf xe = vs::set1(x[r * K + 2 * i]);
       const vf xo = vs::set1(x[r * K + 2 * i + 1]);
-      for (int v = 0; v < V; ++v) acc[r][v] = vs::fmadd(o[v], xo, vs::fmadd(e[v], xe, acc[r][v]));
+      for (int v = 0; v < V; ++v) acc[r][v] = vs::fmadd(o[v], xo, acc[r][v]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -1025,9 +1040,12 @@ class FusedDecoder {
   // hidden: [B, H] input embeddings; cos, sin: [B, D]; block_tables: [B, max_blocks];
   // context_lens: [B] tokens in each request's context including the new one.
   // Returns fp32 logits [B, vocab].
+  // ``logit_rows``: the rows whose logits are wanted (a step's prompt rows other than a
+  // chunk's last sample nothing), in the order returned; none: every row. At 16 prompt rows
+  // the lm_head over all of them was a third of the step.
   at::Tensor forward(const at::Tensor& embeds, const at::Tensor& cos, const at::Tensor& sin,
                      const at::Tensor& block_tables, const at::Tensor& context_lens,
-                     int64_t block_size) {
+                     int64_t block_size, std::optional<at::Tensor> logit_rows) {
     const int M = static_cast<int>(embeds.size(0));
     TORCH_CHECK(M >= 1 && M <= max_rows(), "this build's weights take 1..", max_rows(),
                 " rows");
@@ -1131,10 +1149,21 @@ class FusedDecoder {
 
     norm_rows(final_norm_.data_ptr<bf16>());
     const int64_t V = lm_head_.size(0);
-    at::Tensor logits = at::empty({M, V}, embeds.options().dtype(at::kFloat));
+    at::Tensor head_in = h_t;
+    if (logit_rows.has_value()) {
+      const at::Tensor rows = logit_rows->to(at::kLong).contiguous();
+      TORCH_CHECK(rows.dim() == 1, "logit_rows: 1-D row indices");
+      const int64_t* r = rows.data_ptr<int64_t>();
+      for (int64_t i = 0; i < rows.numel(); ++i)
+        TORCH_CHECK(r[i] >= 0 && r[i] < M, "logit_rows: row ", r[i], " of ", M);
+      head_in = h_t.index_select(0, rows).contiguous();
+    }
+    const int R = static_cast<int>(head_in.size(0));
+    at::Tensor logits = at::empty({R, V}, embeds.options().dtype(at::kFloat));
+    if (R == 0) return logits;
     float* out = logits.data_ptr<float>();
-    linear(M, h_t, lm_head_, lm_head_p_, lm_head_n_, V, [&](int64_t n0, int64_t n1, const float* acc) {
-      for (int m = 0; m < M; ++m)
+    linear(R, head_in, lm_head_, lm_head_p_, lm_head_n_, V, [&](int64_t n0, int64_t n1, const float* acc) {
+      for (int m = 0; m < R; ++m)
         for (int64_t n = n0; n < n1; n += 16) {
           const int64_t k = n1 - n;
           const vf y = vs::load(acc + m * (n1 - n0) + n - n0, k);
@@ -1391,7 +1420,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("lm_head_packed"), pybind11::arg("num_heads"),
            pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"),
            pybind11::arg("gemv_max_rows"), pybind11::arg("scales") = pybind11::none())
-      .def("forward", &FusedDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("forward", &FusedDecoder::forward, pybind11::arg("embeds"), pybind11::arg("cos"),
+           pybind11::arg("sin"), pybind11::arg("block_tables"), pybind11::arg("context_lens"),
+           pybind11::arg("block_size"), pybind11::arg("logit_rows") = pybind11::none(),
+           pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("max_rows", &FusedDecoder::max_rows);
   pybind11::class_<PanelGemv>(m, "PanelGemv")
       .def(pybind11::init<const at::Tensor&, std::optional<at::Tensor>>(), pybind11::arg("w"),

@@ -10,7 +10,8 @@
 // loads/stores of fp32 and bf16 with a tail count; add/sub/mul/div/max, fmadd/fmsub/fnmadd;
 // reduce_add/reduce_max and hsum16; round_nearest, scale_pow2, any_gt, keep_first; bf16
 // rounding (to_bf16, round_bf16); int8 widening to fp32 (load_i8, 16 bytes with a tail count);
-// vpair (32 bf16 as 16 pairs) with load_pairs and widen_pairs. Optionally VS_BF16_DOT with
+// vpair (32 bf16 as 16 pairs) with load_pairs and widen_pairs (widen_even/widen_odd: one
+// half, from memory). Optionally VS_BF16_DOT with
 // dot_pairs/broadcast_pair. Below, what is written once against that vocabulary (exp, exp2).
 // A NEON traits file would hold vf in four float32x4_t and widen bf16 with vshll and int8
 // with vmovl + vcvtq; nothing else here would change.

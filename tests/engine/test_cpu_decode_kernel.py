@@ -40,11 +40,12 @@ def test_small_matmul_matches_fp32(rows: int, k: int) -> None:
     torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-3 * k**0.5)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("rows", [1, 3, 5, 6, 7, 8, 9, 13, 16])
 @pytest.mark.parametrize(("n", "k"), [(32, 64), (45, 130), (97, 300)])
 def test_panel_matmul_matches_fp32(rows: int, n: int, k: int) -> None:
-    """The emulated build's decode GEMV for 8+ rows: a last panel short of 32 features, k
-    pairs past one 64-pair chunk, a second block of activation rows."""
+    """The emulated builds' decode GEMV (AVX2: from 4 rows, in blocks of up to 6 rows per
+    half panel): a last panel short of 32 features, k pairs past one 64-pair chunk, full and
+    partial row blocks and a last block of 1-2 rows over both halves."""
     if kernels.bf16_dot:  # the native build has no panels
         with pytest.raises(RuntimeError, match="emulated"):
             kernels.panel_matmul(torch.ones(1, 2).bfloat16(), torch.ones(1, 2).bfloat16())
@@ -270,6 +271,48 @@ def test_fused_prompt_steps_match_eager(tiny_checkpoint) -> None:
     llm.chat(convs, params)
     assert runner.fused_prefill_steps >= 4 and len(pairs.pairs) >= 4
     _assert_pairs_agree(pairs)
+
+
+class _RecordingDecoder:
+    """The runner's fused decoder, its forward calls recorded (arguments and result)."""
+
+    def __init__(self, decoder) -> None:
+        self.decoder = decoder
+        self.calls: list[tuple[tuple, dict, torch.Tensor]] = []
+
+    def forward(self, *args, **kwargs):
+        out = self.decoder.forward(*args, **kwargs)
+        self.calls.append((args, kwargs, out))
+        return out
+
+    def __getattr__(self, name: str):
+        return getattr(self.decoder, name)
+
+
+def test_fused_prompt_steps_compute_only_the_sampled_rows_logits(tiny_checkpoint) -> None:
+    """A prompt step asks the kernel for the logits of its sampling rows only (the lm_head
+    over every prompt row was a third of a 16-row step); those rows are the ones a full
+    forward computes, an empty list gives no rows and an out-of-range row is an error."""
+    llm = LLM(model=str(tiny_checkpoint), dtype="bfloat16", block_size=4, max_num_batched_tokens=12)
+    runner = llm.engine.runner
+    recorder = _RecordingDecoder(runner.fused_decoder)
+    runner.fused_decoder = recorder
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    llm.chat([text_conv("tell me a story about " + "cats " * 9)], params)
+    prompt_calls = [c for c in recorder.calls if c[0][-1] is not None and len(c[0]) == 7]
+    assert prompt_calls, "no prompt step ran fused"
+    sampled = 0
+    for args, _, out in prompt_calls:
+        rows = args[-1]
+        full = recorder.decoder.forward(*args[:-1])  # rewrites the same cache slots
+        assert out.shape == (len(rows), full.shape[1])
+        torch.testing.assert_close(out, full[rows], rtol=0, atol=0)
+        sampled += len(rows)
+    assert sampled >= 1  # the last chunk samples the first token
+    args = prompt_calls[0][0]
+    assert recorder.decoder.forward(*args[:-1], torch.tensor([], dtype=torch.long)).shape[0] == 0
+    with pytest.raises(RuntimeError, match="logit_rows"):
+        recorder.decoder.forward(*args[:-1], torch.tensor([args[0].shape[0]]))
 
 
 def _assert_pairs_agree(pairs: _LogitsPairs) -> None:

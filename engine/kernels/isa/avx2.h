@@ -176,6 +176,20 @@ inline void widen_pairs(vpair v, vf& even, vf& odd) {
          _mm256_castsi256_ps(_mm256_and_si256(v.hi, top))};
 }
 
+// one half of widen_pairs straight from memory (the load folds into the shift or the and), so a
+// kernel can keep one widened set live instead of two
+inline vf widen_even(const void* p) {
+  const __m256i* q = static_cast<const __m256i*>(p);
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(q), 16)),
+          _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(q + 1), 16))};
+}
+inline vf widen_odd(const void* p) {
+  const __m256i* q = static_cast<const __m256i*>(p);
+  const __m256i top = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  return {_mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(q), top)),
+          _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(q + 1), top))};
+}
+
 // out[i] = sum of the 8 lanes of v[i], i < 8: two hadd levels, then the 128-bit halves
 inline __m256 hsum8(const __m256* v) {
   const __m256 s01 = _mm256_hadd_ps(v[0], v[1]), s23 = _mm256_hadd_ps(v[2], v[3]);

@@ -89,6 +89,15 @@ inline void widen_pairs(vpair v, vf& even, vf& odd) {
   odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
+// one half of widen_pairs straight from memory
+inline vf widen_even(const void* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(p), 16));
+}
+inline vf widen_odd(const void* p) {
+  return _mm512_castsi512_ps(
+      _mm512_and_si512(_mm512_loadu_si512(p), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
 // out[i] = sum of the 16 lanes of v[i]: a transpose-and-add tree, ~3 instructions per vector
 // against ~10 for a reduce of each
 inline vf hsum16(const vf* v) {
