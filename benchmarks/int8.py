@@ -67,12 +67,13 @@ def weight_bytes(llm: LLM) -> int:
 def decode_step_ms(llm: LLM, rows: int, steps: int) -> float:
     """Median wall time of a decode-only step with ``rows`` running sequences."""
     eng = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-    # batch priority: interactive prompts arriving beside a decoding one are prefilled a few
-    # tokens a step (the ITL target protects the first), and the first rows would then run out
-    # of tokens while the last still prefill -- the timed steps would hold fewer rows
-    for i in range(rows):
-        eng.add_request(f"decode-{rows}-{i}", PROMPTS[i % len(PROMPTS)], params, priority="batch")
+    # room for the steps whatever order the prompts finish in; the rest is aborted
+    params = SamplingParams(temperature=0, max_tokens=steps + 512, ignore_eos=True)
+    ids = [f"decode-{rows}-{i}" for i in range(rows)]
+    # batch priority: with time limits asked for (a served engine), interactive prompts that
+    # arrive beside a decoding one are prefilled a few tokens a step
+    for i, request_id in enumerate(ids):
+        eng.add_request(request_id, PROMPTS[i % len(PROMPTS)], params, priority="batch")
     # until every sequence has its first token: the steps after are decode-only
     while any(r.is_prefill for r in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()
@@ -83,10 +84,10 @@ def decode_step_ms(llm: LLM, rows: int, steps: int) -> float:
         eng.step()
         times.append(time.perf_counter() - t0)
     decoding = sum(1 for r in eng.scheduler.running if not r.is_prefill)
+    for request_id in ids:
+        eng.abort(request_id)
     if decoding != rows:
-        raise RuntimeError(f"{decoding} of {rows} rows still decoding after the timed steps")
-    while eng.has_unfinished():
-        eng.step()
+        raise RuntimeError(f"{decoding} of {rows} rows decoding after the timed steps")
     return statistics.median(times) * 1e3
 
 

@@ -25,7 +25,7 @@ from benchmarks.common import (
     setup_env,
 )
 from benchmarks.machine import matmul_peak_flops, memory_bandwidth, synchronize
-from engine.device import resolve_device, resolve_dtype
+from engine.device import cpu_has_fast_bf16, resolve_device, resolve_dtype
 
 
 def conv(i: int, image) -> list[dict]:
@@ -234,10 +234,21 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--image-size", default="640x480")
     ap.add_argument("--device", default="cpu", help="cpu | cuda (both engines run there)")
+    ap.add_argument(
+        "--hf-dtype",
+        default="best",
+        help="transformers' dtype; 'best': ours where the hardware has bf16 arithmetic (GPU, "
+        "AVX512-BF16, AMX), else float32 (bf16 emulated is transformers' slowest choice)",
+    )
     ap.add_argument("--out", default="offline_throughput.json")
     args = ap.parse_args()
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    if args.hf_dtype == "best":
+        native = device.type == "cuda" or cpu_has_fast_bf16()
+        hf_dtype = dtype if native else torch.float32
+    else:
+        hf_dtype = resolve_dtype(args.hf_dtype, device, cpu_kernels=False)
     w, h = (int(x) for x in args.image_size.split("x"))
     model_dir = bench_checkpoint(args.family, args.model)
     # one distinct frame per request: repeated frames would hit the prefix cache and flatter us
@@ -251,11 +262,11 @@ def main() -> None:
     log(f"our engine: {args.num_requests} image requests x {args.max_tokens} tokens")
     o = ours(args, model_dir, frames)
     log(f"transformers generate(): {args.hf_requests} requests one at a time")
-    b = hf(args, model_dir, frames, dtype, device)
+    b = hf(args, model_dir, frames, hf_dtype, device)
 
     o.pop("model")
     cfg = o.pop("cfg")
-    n_params, bytes_per_token = text_params(model_dir, 2 if args.dtype == "bfloat16" else 4)
+    n_params, bytes_per_token = text_params(model_dir, dtype.itemsize)
     bound_step = bytes_per_token / bandwidth
 
     def prefill_mfu(r):
@@ -270,14 +281,16 @@ def main() -> None:
             "device": str(device),
         },
         "checkpoint": str(model_dir),
-        "dtype": args.dtype,
+        "dtype": str(dtype),
+        "hf_dtype": str(hf_dtype),
         "decoder_params_m": n_params / 1e6,
         "ours": o,
         "transformers": b,
         "throughput_ratio": o["output_tok_s"] / b["output_tok_s"],
         "decode_bw_util": {
             "ours": bound_step / o["decode_step_s"],
-            "transformers": bound_step / b["decode_step_s"],
+            # transformers streams its own dtype's bytes
+            "transformers": bound_step * hf_dtype.itemsize / dtype.itemsize / b["decode_step_s"],
         },
         "prefill_mfu": {"ours": prefill_mfu(o), "transformers": prefill_mfu(b)},
         "args": vars(args),

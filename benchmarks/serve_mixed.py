@@ -11,8 +11,9 @@ For each mode a server is started on the same checkpoint and dtype, then driven 
 Modes: ``default`` (no step flags: steps sized by predicted time),
 ``chunked-N`` (budget N), ``unchunked`` (whole prompt in one step), ``adaptive-X``
 (``--target-itl-ms X``, ``auto`` allowed), any of those with ``+wholeenc`` (image encoding
-not split across steps, as in vLLM/SGLang), ``hf`` / ``hf-cb`` (``transformers serve``
-without / with ``--continuous-batching``; sent plain OpenAI requests). Metric definitions
+not split across steps, as in vLLM/SGLang) or ``+int8`` (``--quantization int8``), ``hf`` /
+``hf-cb`` (``transformers serve`` without / with ``--continuous-batching``; sent plain OpenAI
+requests). Metric definitions
 follow shared/DESIGN.md (TTFT, ITL, TPOT, stall = ITL > 5x the median alone-phase ITL).
 
     python -m benchmarks.serve_mixed                       # CPU-sized default (< 10 min)
@@ -138,6 +139,8 @@ def server_command(mode: str, model: Path, port: int, args) -> tuple[list[str], 
         raise SystemExit(f"unknown mode {mode!r}")
     if variant == "wholeenc":  # the vision encoder runs a whole image inside one step
         cmd.append("--no-enable-chunked-encoder")
+    elif variant == "int8":  # weight-only int8 decoder linears
+        cmd += ["--quantization", "int8"]
     elif variant:
         raise SystemExit(f"unknown mode variant {variant!r}")
     return cmd, True

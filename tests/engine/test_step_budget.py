@@ -13,6 +13,7 @@ import pytest
 from engine import LLM, EngineArgs, SamplingParams
 from engine.config import TIME_SIZED_TOKEN_CAP
 from engine.cost_model import StepCostModel, StepFeatures
+from engine.llm_engine import LLMEngine
 from engine.step_budget import AUTO, StepBudget, StepLimits
 from tests.engine.helpers import SYNTHETIC_COSTS, image_conv, noise_image, text_conv
 
@@ -20,10 +21,16 @@ SYNTHETIC = SYNTHETIC_COSTS
 FEW = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 
 
+def _served(checkpoint, dtype: str = "float32", **kw) -> LLMEngine:
+    """An engine with the server's defaults (``vision-serve serve`` builds it from
+    EngineArgs): steps sized by time. The offline ``LLM`` sizes them by tokens alone."""
+    return LLMEngine(EngineArgs(model=str(checkpoint), dtype=dtype, **kw))
+
+
 def _engine(checkpoint, **kw):
-    llm = LLM(str(checkpoint), dtype="float32", **kw)
-    llm.engine.scheduler.cost_model = StepCostModel(coefficients=SYNTHETIC)
-    return llm, llm.engine
+    eng = _served(checkpoint, **kw)
+    eng.scheduler.cost_model = StepCostModel(coefficients=SYNTHETIC)
+    return None, eng
 
 
 def _run(eng, sched):
@@ -52,6 +59,30 @@ def test_defaults_size_steps_by_time_and_a_fixed_budget_keeps_the_token_budget()
     for bad in ("0", "-5", "soon", "inf"):
         with pytest.raises(ValueError, match="max_step_ms"):
             EngineArgs(model="m", max_step_ms=bad)
+
+
+def test_the_offline_llm_sizes_steps_by_tokens_alone(tiny_qwen2_vl):
+    """Offline there is no stream to keep fluid and no request that can arrive mid-call: the
+    prompts of one generate() share the first step, uncalibrated (vLLM's LLM). Time limits
+    asked for explicitly still apply."""
+    llm = LLM(str(tiny_qwen2_vl), dtype="float32", enable_prefix_caching=False)
+    limits = llm.engine.scheduler.config.limits
+    assert not limits.time_sized and limits.max_tokens == TIME_SIZED_TOKEN_CAP
+    assert not llm.engine.scheduler.cost_model.ready, "no calibration at start"
+    prompts = [f"prompt number {i} " * 6 for i in range(6)]
+    steps = []
+    real_step = llm.engine.step
+
+    def counting_step():
+        steps.append(1)
+        return real_step()
+
+    llm.engine.step = counting_step
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4] * 6
+    assert len(steps) == 4, "every prompt prefilled in the first step, then 3 decode steps"
+    timed = LLM(str(tiny_qwen2_vl), dtype="float32", target_itl_ms="auto")
+    assert timed.engine.scheduler.config.limits.target_itl_s == AUTO
 
 
 def test_batch_only_steps_stay_under_the_step_bound(tiny_qwen2_vl):
@@ -122,8 +153,8 @@ def test_an_interactive_image_is_encoded_before_batch_images(tiny_qwen2_vl):
 
 def test_startup_log_states_the_step_policy(tiny_qwen2_vl, caplog):
     with caplog.at_level(logging.INFO, logger="engine.calibration"):
-        LLM(str(tiny_qwen2_vl), dtype="float32")
-        LLM(str(tiny_qwen2_vl), dtype="float32", max_num_batched_tokens=256)
+        _served(tiny_qwen2_vl)
+        _served(tiny_qwen2_vl, max_num_batched_tokens=256)
     lines = [r.getMessage() for r in caplog.records if "step_policy" in r.getMessage()]
     assert len(lines) == 2
     assert "mode=time-sized" in lines[0] and "max_step=auto (" in lines[0]
@@ -139,18 +170,18 @@ def test_calibration_is_cached_per_machine_model_and_dtype(tiny_qwen2_vl, tmp_pa
     runs = []
     real = calibration.calibrate
     monkeypatch.setattr(calibration, "calibrate", lambda *a, **k: runs.append(1) or real(*a, **k))
-    first = LLM(str(tiny_qwen2_vl), dtype="float32").engine.scheduler.cost_model
+    first = _served(tiny_qwen2_vl).scheduler.cost_model
     assert len(runs) == 1 and first.ready
     assert len(list((tmp_path / "calibration").glob("*.json"))) == 1
-    again = LLM(str(tiny_qwen2_vl), dtype="float32").engine.scheduler.cost_model
+    again = _served(tiny_qwen2_vl).scheduler.cost_model
     assert len(runs) == 1, "the second start reuses the calibration"
     assert again.coefficients() == pytest.approx(first.coefficients())
-    LLM(str(tiny_qwen2_vl), dtype="bfloat16")
+    _served(tiny_qwen2_vl, dtype="bfloat16")
     assert len(runs) == 2, "another dtype is another calibration"
 
     for path in (tmp_path / "calibration").glob("*.json"):
         path.write_text("{not json")
-    assert LLM(str(tiny_qwen2_vl), dtype="float32").engine.scheduler.cost_model.ready
+    assert _served(tiny_qwen2_vl).scheduler.cost_model.ready
     assert len(runs) == 3, "a corrupt cache is measured again, not trusted"
 
 
@@ -164,7 +195,7 @@ def test_a_calibration_timed_on_a_busy_machine_is_used_but_not_cached(
     monkeypatch.setenv("VISION_SERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(calibration.os, "getloadavg", lambda: (64.0, 64.0, 64.0))
     with caplog.at_level("WARNING", logger="engine.calibration"):
-        model = LLM(str(tiny_qwen2_vl), dtype="float32").engine.scheduler.cost_model
+        model = _served(tiny_qwen2_vl).scheduler.cost_model
     assert model.ready
     assert not list(tmp_path.glob("calibration/*.json"))
     assert "calibration not cached: the machine was busy" in caplog.text
