@@ -8,7 +8,8 @@ For each mode a server is started on the same checkpoint and dtype, then driven 
   short answer) arriving as a seeded Poisson process at ``--camera-rate`` req/s (``inf``: all
   at t=0).
 
-Modes: ``default`` (no step flags: steps sized by predicted time),
+Modes: ``default`` (no step flags: steps sized by predicted time; ``default@F``: with
+``--auto-itl-factor F``),
 ``chunked-N`` (budget N), ``unchunked`` (whole prompt in one step), ``adaptive-X``
 (``--target-itl-ms X``, ``auto`` allowed), any of those with ``+wholeenc`` (image encoding
 not split across steps, as in vLLM/SGLang) or ``+int8`` (``--quantization int8``), ``hf`` /
@@ -119,8 +120,11 @@ def server_command(mode: str, model: Path, port: int, args) -> tuple[list[str], 
         "--max-num-seqs",
         "64",
     ]
-    if mode == "default":
-        pass  # the server's own defaults: steps sized by predicted time
+    if mode == "default" or mode.startswith("default@"):
+        # the server's own defaults: steps sized by predicted time; default@F: the auto ITL
+        # target at F x the decode step instead of the default factor
+        if "@" in mode:
+            cmd += ["--auto-itl-factor", mode.partition("@")[2]]
     elif mode == "unchunked":
         cmd += ["--no-chunked-prefill", "--max-num-batched-tokens", "8192"]
     elif mode.startswith("chunked-"):

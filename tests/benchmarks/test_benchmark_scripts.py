@@ -52,7 +52,7 @@ def test_serve_mixed_script(tiny_qwen2_vl, results):
     _run(
         "benchmarks.serve_mixed",
         "--model", str(tiny_qwen2_vl), "--dtype", "float32",
-        "--modes", "chunked-16,adaptive-auto+wholeenc", "--num-chat", "2",
+        "--modes", "chunked-16,adaptive-auto+wholeenc,default@1.5+int8", "--num-chat", "2",
         "--chat-min-tokens", "4", "--chat-max-tokens", "6", "--num-cameras", "2",
         "--camera-rate", "inf", "--camera-tokens", "2", "--image-size", "112x112",
         "--warmup-s", "0", "--capacity-rates", "4", "--capacity-cameras", "1", "--out", "m",
@@ -60,7 +60,7 @@ def test_serve_mixed_script(tiny_qwen2_vl, results):
         results=results,
     )  # fmt: skip
     data = json.loads((results / "m.json").read_text())
-    for mode in ("chunked-16", "adaptive-auto+wholeenc"):
+    for mode in ("chunked-16", "adaptive-auto+wholeenc", "default@1.5+int8"):
         mixed = data["modes"][mode]["mixed"]
         assert mixed["chat"]["requests"] >= 2 and mixed["camera"]["errors"] == 0
         assert set(data["modes"][mode]["capacity_by_slo_itl_ms"]) == {"200.0", "5000.0"}
@@ -132,3 +132,19 @@ def test_int8_script(tiny_qwen2_vl, results):
     data = json.loads((results / "int8.json").read_text())
     assert data["int8"]["weight_mb_per_step"] < data["baseline"]["weight_mb_per_step"]
     assert 0 <= data["agreement"]["token_agreement"] <= 1
+
+
+@pytest.mark.slow
+def test_gemv_script(results):
+    from engine.kernels import load_cpu_decode
+
+    kernels = load_cpu_decode()
+    if kernels is None or kernels.bf16_dot:
+        pytest.skip("needs the emulated-bf16 kernels (AVX2, or AVX-512 without BF16)")
+    _run(
+        "benchmarks.gemv", "--rows", "1", "5", "--layers", "1", "--repeats", "1", "--out", "g.json",
+        results=results,
+    )  # fmt: skip
+    data = json.loads((results / "g.json").read_text())
+    assert set(data["ms"]) == {"1", "5"}
+    assert all(ms > 0 for row in data["ms"].values() for ms in row.values())
