@@ -19,9 +19,15 @@ import torch
 
 from benchmarks.common import log, save_json, setup_env
 
-# bench preset: hidden 768, 12 heads / 4 KV heads of 64, intermediate 2048, 12 layers
-LAYER_SHAPES = [(768, 768), (256, 768), (256, 768), (768, 768), (2048, 768), (2048, 768)]
-LAYER_SHAPES += [(768, 2048)]
+
+def layer_shapes(preset: str = "bench") -> list[tuple[int, int]]:
+    """[N, K] of one decoder layer's matrices (q, k, v, o, gate, up, down) of a preset."""
+    from engine.checkpoints import PRESET_SHAPES
+
+    p = PRESET_SHAPES[preset]
+    h, kv = p.hidden_size, p.hidden_size // p.num_heads * p.num_kv_heads
+    i = p.intermediate_size
+    return [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)]
 
 
 def main() -> None:
@@ -42,7 +48,7 @@ def main() -> None:
     if ext.bf16_dot:
         raise SystemExit("this build multiplies bf16 natively: it has no bf16 panels to time")
     torch.manual_seed(0)
-    shapes = LAYER_SHAPES * args.layers
+    shapes = layer_shapes() * args.layers
     weights = [torch.randn(n, k).to(torch.bfloat16) for n, k in shapes]
     params = sum(n * k for n, k in shapes)
     paths = {

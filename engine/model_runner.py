@@ -215,13 +215,7 @@ class ModelRunner:
         )
         hidden = self.model(hidden, positions.to(self.device), self.kv_caches, meta)
 
-        sample_rows, sampled_chunks = [], []
-        row = 0
-        for c in chunks:
-            row += c.num_tokens
-            if c.sample:
-                sample_rows.append(row - 1)
-                sampled_chunks.append(c)
+        sample_rows, sampled_chunks = _sampled_rows(chunks)
         if not sample_rows:
             return {}
         return self._sample(self.model.logits(hidden[sample_rows]), sampled_chunks)
@@ -257,12 +251,7 @@ class ModelRunner:
         lengths = torch.tensor(
             [c.start + i + 1 for c in chunks for i in range(c.num_tokens)], dtype=torch.long
         )
-        rows, sampled_chunks, row = [], [], 0
-        for c in chunks:
-            row += c.num_tokens
-            if c.sample:
-                rows.append(row - 1)
-                sampled_chunks.append(c)
+        rows, sampled_chunks = _sampled_rows(chunks)
         self.fused_prefill_steps += 1
         # only the sampled rows through the lm_head: the rest of a chunk needs no logits
         logits = self.fused_decoder.forward(
@@ -329,3 +318,15 @@ class ModelRunner:
         self._bitmask.apply(logits, rows)
         for i, _ in rows:
             banned[i] = []
+
+
+def _sampled_rows(chunks: list[ScheduledChunk]) -> tuple[list[int], list[ScheduledChunk]]:
+    """The step's rows that sample (each sampling chunk's last token) and their chunks: the
+    only rows whose logits a step needs, eager or fused."""
+    rows, sampled, row = [], [], 0
+    for c in chunks:
+        row += c.num_tokens
+        if c.sample:
+            rows.append(row - 1)
+            sampled.append(c)
+    return rows, sampled

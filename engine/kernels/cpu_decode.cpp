@@ -281,8 +281,8 @@ constexpr int kPanelRows = kWideRegs ? 8 : 4;
 // three accumulators on every k, so blocks of more rows take one half of the panel (up to 6
 // rows: 12 accumulators, the widened weights and a broadcast -- bf16 widens the even and the
 // odd elements of its pairs in turn, see panel_block; with both live it took 4 rows, and a
-// 16-row decoder pass ran at 73 GFLOP/s against 87-100 now) and the last 1-2 rows both halves. Each block widens the
-// weights it reads once: the widening runs on other ports than the FMAs. FMA latency times
+// 16-row decoder pass ran at 73 GFLOP/s against 87-100 now) and the last 1-2 rows both
+// halves. Each block widens the weights it reads once: the widening runs on other ports than the FMAs. FMA latency times
 // the two FMA ports asks for 8 independent accumulators: 8 int8 rows go as 6 + 2 (12 and 8
 // chains), not 4 + 4 (8 and 8, the bare minimum: 5 % slower at 8 rows, 10 % at 7).
 constexpr int kFullRowsI8 = kWideRegs ? 8 : 2, kHalfRowsI8 = 6;
