@@ -203,7 +203,7 @@ class ModelRunner:
         if self._fused_prefill_applies(chunks):
             logits, sampled_chunks = self._fused_step_logits(chunks)
             return self._sample(logits, sampled_chunks) if sampled_chunks else {}
-        positions = torch.cat([c.positions for c in chunks], dim=1)
+        positions = torch.cat([c.position_ids() for c in chunks], dim=1)
         hidden = self._input_embeddings(chunks)
         meta = build_attention_metadata(
             [c.block_table for c in chunks],
@@ -245,7 +245,7 @@ class ModelRunner:
         """A step with prompt tokens as one native call: every new token is a kernel row with
         its chunk's block table and its own context length. Returns the logits of the rows
         that sample, and their chunks."""
-        positions = torch.cat([c.positions for c in chunks], dim=1)
+        positions = torch.cat([c.position_ids() for c in chunks], dim=1)
         cos, sin = self.model.rotary.cos_sin(positions, self.dtype)
         tables = padded_block_tables([c.block_table for c in chunks for _ in range(c.num_tokens)])
         lengths = torch.tensor(
@@ -275,8 +275,12 @@ class ModelRunner:
     def _fused_decode_logits(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """A decode-only step as one native call (engine/kernels/cpu_decode.cpp)."""
         ids = torch.tensor([c.token_ids[0] for c in chunks], dtype=torch.long)
-        positions = torch.cat([c.positions for c in chunks], dim=1)
-        cos, sin = self.model.rotary.cos_sin(positions, self.dtype)
+        text_positions = [c.text_position for c in chunks]
+        if None in text_positions:
+            positions = torch.cat([c.position_ids() for c in chunks], dim=1)
+            cos, sin = self.model.rotary.cos_sin(positions, self.dtype)
+        else:
+            cos, sin = self.model.rotary.cos_sin_at(text_positions, self.dtype)
         tables = padded_block_tables([c.block_table for c in chunks])
         lengths = torch.tensor([c.start + 1 for c in chunks], dtype=torch.long)
         self.fused_decode_steps += 1

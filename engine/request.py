@@ -136,6 +136,9 @@ class Request:
     def positions(self, start: int, end: int) -> torch.Tensor:
         """[3, end-start] M-RoPE positions for token indices [start, end)."""
         n = self.num_prompt_tokens
+        if start >= n:  # generated tokens only (every decode): one op, not four
+            lo = start + self.prompt.mrope_delta
+            return torch.arange(lo, lo + end - start, dtype=torch.long).expand(3, -1)
         parts = []
         if start < n:
             parts.append(self.prompt.positions[:, start : min(end, n)])
@@ -144,6 +147,13 @@ class Request:
             gen = torch.arange(lo, end, dtype=torch.long) + self.prompt.mrope_delta
             parts.append(gen.unsqueeze(0).expand(3, -1))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def text_position(self, index: int) -> int | None:
+        """The position of token ``index`` if it is a generated one (its three M-RoPE axes
+        are equal), else None."""
+        if index < self.num_prompt_tokens:
+            return None
+        return index + self.prompt.mrope_delta
 
     def full_block_hashes(self, num_tokens: int, block_size: int) -> list[bytes]:
         """Hashes of the full blocks among the first ``num_tokens`` tokens (extended lazily)."""

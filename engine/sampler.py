@@ -50,7 +50,7 @@ def sample(
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     result = [0] * len(params)
     if greedy_rows:
-        picks = logits[greedy_rows].argmax(dim=-1).tolist()
+        picks = greedy_tokens(logits, greedy_rows)
         for row, tok in zip(greedy_rows, picks, strict=True):
             result[row] = tok
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -64,6 +64,18 @@ def sample(
         for row, i in zip(raw_logprobs.cpu(), logprob_rows, strict=True):
             logprobs[i] = token_logprob(row, result[i], params[i].logprobs or 0)
     return SamplerOutput(result, logprobs)
+
+
+def greedy_tokens(logits: torch.Tensor, rows: list[int]) -> list[int]:
+    """The best token of each of ``rows`` (first one on ties; a NaN counts as the best, as
+    ``torch.argmax`` has it). On the host through numpy: torch's CPU argmax walks a 32k
+    vocabulary element by element (~75 us a row here, 0.5 ms at batch 16), numpy's is
+    vectorised (~5 us a row) -- on a 13 ms batch-1 decode step the difference is measurable."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        host = logits.numpy()
+        best = host.argmax(axis=-1) if len(rows) == host.shape[0] else host[rows].argmax(axis=-1)
+        return best.tolist()
+    return logits[rows].argmax(dim=-1).tolist()
 
 
 def apply_logit_bias(row: torch.Tensor, bias: dict[int, float]) -> None:

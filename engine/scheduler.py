@@ -41,7 +41,9 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     token_ids: list[int]
-    positions: torch.Tensor  # [3, num_tokens]
+    # [3, num_tokens] M-RoPE positions; None for a generated token, whose ``text_position``
+    # says it all (read both through ``position_ids``)
+    positions: torch.Tensor | None
     block_table: list[int]
     # (content hash, first embedding row, end row, row offset inside this chunk)
     image_slices: list[tuple[str, int, int, int]]
@@ -52,6 +54,16 @@ class ScheduledChunk:
     output_token_ids: list[int]  # tokens generated so far (for min_tokens / penalties)
     prompt_token_ids: list[int] = field(default_factory=list)  # for the repetition penalty
     grammar: GrammarState | None = None  # constrained decoding: masks this chunk's sampled row
+    # a generated token's position (all three M-RoPE axes equal), else None: the fused decode
+    # step looks its rotary angles up by it instead of computing them from ``positions``
+    text_position: int | None = None
+
+    def position_ids(self) -> torch.Tensor:
+        """[3, num_tokens] M-RoPE positions."""
+        if self.positions is not None:
+            return self.positions
+        assert self.text_position is not None and self.num_tokens == 1
+        return torch.full((3, 1), self.text_position, dtype=torch.long)
 
 
 @dataclass
@@ -421,13 +433,15 @@ class Scheduler:
             if not self.encoder_cache.ready(im.content_hash):
                 out.encoder_work.setdefault(im.content_hash, math.inf)  # must be ready now
             image_slices.append((im.content_hash, lo - im.offset, hi - im.offset, lo - start))
+        text_position = req.text_position(start) if n == 1 else None
         out.chunks.append(
             ScheduledChunk(
                 request_id=req.request_id,
                 start=start,
                 num_tokens=n,
                 token_ids=req.token_ids(start, end),
-                positions=req.positions(start, end),
+                # a decode's positions are built only if an eager forward asks for them
+                positions=None if text_position is not None else req.positions(start, end),
                 block_table=list(self.kv.block_table(req.request_id)),
                 image_slices=image_slices,
                 sample=end == req.num_tokens,
@@ -437,6 +451,7 @@ class Scheduler:
                 output_token_ids=req.output_token_ids,
                 prompt_token_ids=req.prompt_token_ids,
                 grammar=req.grammar,
+                text_position=text_position,
             )
         )
 

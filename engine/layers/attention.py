@@ -54,10 +54,9 @@ class AttentionMetadata:
 def padded_block_tables(tables: list[list[int]]) -> torch.Tensor:
     """Block tables as one [rows, longest] tensor, zero-padded (the kernels read only the
     blocks a row's context length covers)."""
-    out = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.long)
-    for row, table in enumerate(tables):
-        out[row, : len(table)] = torch.tensor(table, dtype=torch.long)
-    return out
+    width = max(len(t) for t in tables)
+    # one tensor from padded lists: a copy per row cost ~10 us each (0.2 ms at batch 16)
+    return torch.tensor([[*t, *[0] * (width - len(t))] for t in tables], dtype=torch.long)
 
 
 # a late prefill chunk this short (a few tokens riding along with decodes under an ITL

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import _filtered, _sample_row
+from engine.sampler import _filtered, _sample_row, greedy_tokens
 from engine.sampling_params import SamplingParams
 
 
@@ -55,3 +55,25 @@ def test_draws_follow_the_distribution_and_repeat_per_seed() -> None:
     torch.testing.assert_close(counts / counts.sum(), want, atol=0.03, rtol=0)
     again = torch.Generator().manual_seed(0)
     assert [_sample_row(logits, params, again) for _ in range(50)] == draws[:50]
+
+
+def test_greedy_tokens_pick_as_torch_argmax_does() -> None:
+    """The numpy fast path picks what ``torch.argmax`` picks: the first of tied maxima, a NaN
+    over any number, an -inf row's first token; for all rows, a subset, and a strided view,
+    under inference mode as the runner calls it."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 32000, generator=gen)
+    logits[1, [17, 900, 31999]] = 50.0  # ties: the first wins
+    logits[2, 4321] = float("nan")
+    logits[3] = float("-inf")
+    logits[4, 0] = float("nan")
+    logits[4, 5] = float("nan")
+    with torch.inference_mode():
+        for rows in ([0, 1, 2, 3, 4, 5], [1, 3, 5], [4], [5, 0]):
+            want = logits[rows].argmax(dim=-1).tolist()
+            assert greedy_tokens(logits.clone(), rows) == want
+        wide = torch.randn(3, 64000, generator=gen)
+        view = wide[:, ::2]  # not contiguous
+        assert greedy_tokens(view, [0, 1, 2]) == view.argmax(dim=-1).tolist()
+        half = logits.bfloat16()  # not fp32: the torch path
+        assert greedy_tokens(half, [0, 2]) == half[[0, 2]].argmax(dim=-1).tolist()
