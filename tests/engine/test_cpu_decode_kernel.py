@@ -142,6 +142,38 @@ def test_paged_decode_attention_matches_fp32(rows, heads, kv_heads, head_dim) ->
         torch.testing.assert_close(got[row : row + 1], want, rtol=2e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize(
+    ("n", "context", "heads", "kv_heads", "head_dim", "block_size"),
+    [
+        (16, 1200, 12, 4, 64, 16),
+        (8, 8, 4, 2, 16, 4),
+        (13, 77, 4, 4, 32, 4),
+        (32, 300, 6, 2, 128, 16),
+    ],
+)
+def test_chunk_attention_matches_fp32(n, context, heads, kv_heads, head_dim, block_size) -> None:
+    """A prompt chunk's rows (the last n of ``context`` tokens, scattered blocks, causal) as
+    the fused step attends them: packed from the paged cache and attended as one block."""
+    gen = torch.Generator().manual_seed(n + context)
+    num_blocks = context // block_size + 8
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen).bfloat16()
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen).bfloat16()
+    table = torch.randperm(num_blocks, generator=gen)
+    q = torch.randn(n, heads, head_dim, generator=gen).bfloat16()
+    scale = head_dim**-0.5
+    got = kernels.chunk_attention(q, k_cache, v_cache, table, context, block_size, scale).float()
+    idx = torch.arange(context)
+    slots = table[idx // block_size] * block_size + idx % block_size
+    want = _attention_fp32(q, k_cache[slots], v_cache[slots], scale, True)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-2)
+    # and what the per-row decode kernel gives for the same rows
+    lens = torch.arange(context - n + 1, context + 1)
+    rows = kernels.decode_attention(
+        q, k_cache, v_cache, table.expand(n, -1).contiguous(), lens, block_size, scale
+    ).float()
+    torch.testing.assert_close(got, rows, rtol=2e-2, atol=1e-2)
+
+
 def test_flash_attention_rejects_bad_shapes() -> None:
     q = torch.randn(4, 2, 64).bfloat16()
     odd = torch.randn(4, 1, 24).bfloat16()
