@@ -5,6 +5,7 @@ them single-stream decode bandwidth utilisation and frame-prompt prefill MFU, bo
 
     python -m benchmarks.offline_throughput                 # bench checkpoint, CPU defaults
     python -m benchmarks.offline_throughput --num-requests 4 --max-tokens 8 --model DIR  # smoke
+    python -m benchmarks.offline_throughput --workload text --max-tokens 128  # decode-bound
 """
 
 from __future__ import annotations
@@ -36,6 +37,19 @@ def conv(i: int, image) -> list[dict]:
             "content": [{"type": "image", "image": image}, {"type": "text", "text": text}],
         }
     ]
+
+
+TOPICS = ["the city tram", "a weekend hike", "camera sensors", "the harbour at night"]
+
+
+def text_conv(i: int) -> list[dict]:
+    """A chat request without an image: the decode-heavy workload (``--workload text``)."""
+    text = f"Request {i}: tell me, at length, about {TOPICS[i % len(TOPICS)]}."
+    return [{"role": "user", "content": [{"type": "text", "text": text}]}]
+
+
+def workload_conv(args, i: int, frames) -> list[dict]:
+    return text_conv(i) if args.workload == "text" else conv(i, frames[i % len(frames)])
 
 
 def text_params(model_dir, bytes_per_param: int) -> tuple[int, int]:
@@ -111,7 +125,7 @@ def ours(args, model_dir, frames):
     llm.chat(conv(0, warm), SamplingParams(temperature=0, max_tokens=2))  # warm-up
 
     # throughput: all requests at once
-    convs = [conv(i, frames[i % len(frames)]) for i in range(args.num_requests)]
+    convs = [workload_conv(args, i, frames) for i in range(args.num_requests)]
     t0 = time.perf_counter()
     outs = llm.chat(convs, params)
     elapsed = time.perf_counter() - t0
@@ -168,9 +182,13 @@ def hf(args, model_dir, frames, dtype, device):
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).to(device).eval()
 
     def encode(c):
-        msgs = [{"role": "user", "content": [{"type": "image"}, c[0]["content"][1]]}]
+        parts = c[0]["content"]
+        if parts[0]["type"] == "text":  # --workload text
+            text = processor.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
+            return processor(text=[text], return_tensors="pt").to(device)
+        msgs = [{"role": "user", "content": [{"type": "image"}, parts[1]]}]
         text = processor.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-        enc = processor(text=[text], images=[c[0]["content"][0]["image"]], return_tensors="pt")
+        enc = processor(text=[text], images=[parts[0]["image"]], return_tensors="pt")
         return enc.to(device)
 
     def generate(enc, n):
@@ -184,7 +202,7 @@ def hf(args, model_dir, frames, dtype, device):
     t0 = time.perf_counter()
     gen = 0
     for i in range(n_req):
-        enc = encode(conv(i, frames[i % len(frames)]))
+        enc = encode(workload_conv(args, i, frames))
         out = generate(enc, args.max_tokens)
         gen += out.shape[1] - enc["input_ids"].shape[1]
     elapsed = time.perf_counter() - t0
@@ -240,6 +258,13 @@ def main() -> None:
         help="transformers' dtype; 'best': ours where the hardware has bf16 arithmetic (GPU, "
         "AVX512-BF16, AMX), else float32 (bf16 emulated is transformers' slowest choice)",
     )
+    ap.add_argument(
+        "--workload",
+        choices=["image", "text"],
+        default="image",
+        help="image: one camera frame per request (vision-tower-bound on a CPU); text: chat "
+        "prompts alone (decode-bound)",
+    )
     ap.add_argument("--out", default="offline_throughput.json")
     args = ap.parse_args()
     device = resolve_device(args.device)
@@ -259,7 +284,7 @@ def main() -> None:
     bandwidth = memory_bandwidth(device=device)
     log(f"{args.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s, bandwidth {bandwidth / 1e9:.1f} GB/s")
 
-    log(f"our engine: {args.num_requests} image requests x {args.max_tokens} tokens")
+    log(f"our engine: {args.num_requests} {args.workload} requests x {args.max_tokens} tokens")
     o = ours(args, model_dir, frames)
     log(f"transformers generate(): {args.hf_requests} requests one at a time")
     b = hf(args, model_dir, frames, hf_dtype, device)

@@ -48,6 +48,20 @@ def test_offline_throughput_script(tiny_qwen2_vl, results):
 
 
 @pytest.mark.slow
+def test_offline_throughput_script_text_workload(tiny_qwen2_vl, results):
+    _run(
+        "benchmarks.offline_throughput",
+        "--model", str(tiny_qwen2_vl), "--dtype", "float32", "--num-requests", "2",
+        "--hf-requests", "1", "--max-tokens", "4", "--decode-tokens", "4",
+        "--image-size", "112x112", "--workload", "text", "--out", "t.json",
+        results=results,
+    )  # fmt: skip
+    data = json.loads((results / "t.json").read_text())
+    assert data["args"]["workload"] == "text"
+    assert data["ours"]["generated_tokens"] == 8 and data["throughput_ratio"] > 0
+
+
+@pytest.mark.slow
 def test_serve_mixed_script(tiny_qwen2_vl, results):
     _run(
         "benchmarks.serve_mixed",
