@@ -162,3 +162,17 @@ def test_gemv_script(results):
     data = json.loads((results / "g.json").read_text())
     assert set(data["ms"]) == {"1", "5"}
     assert all(ms > 0 for row in data["ms"].values() for ms in row.values())
+
+
+@pytest.mark.slow
+def test_step_overhead_script(tiny_qwen2_vl, results):
+    _run(
+        "benchmarks.step_overhead",
+        "--model", str(tiny_qwen2_vl), "--dtype", "bfloat16", "--batches", "1", "3",
+        "--tokens", "4", "--out", "s.json",
+        results=results,
+    )  # fmt: skip
+    data = json.loads((results / "s.json").read_text())
+    for batch in ("1", "3"):
+        row = data["batches"][batch]
+        assert row["steps"] >= 3 and 0 < row["kernel_ms"] < row["step_ms_mean"]
