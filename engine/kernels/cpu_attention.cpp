@@ -329,6 +329,20 @@ void widen_keys_values(KOf k_of, VOf v_of, int64_t j0, int64_t m, int64_t h, int
 }
 #endif
 
+// attend() compiled for head size D (16 .. 128, step 16)
+void attend_any(const Problem& problem, int64_t D) {
+  switch (D / 16) {
+    case 1: attend<1, rows_per_block(1)>(problem); break;
+    case 2: attend<2, rows_per_block(2)>(problem); break;
+    case 3: attend<3, rows_per_block(3)>(problem); break;
+    case 4: attend<4, rows_per_block(4)>(problem); break;
+    case 5: attend<5, rows_per_block(5)>(problem); break;
+    case 6: attend<6, rows_per_block(6)>(problem); break;
+    case 7: attend<7, rows_per_block(7)>(problem); break;
+    default: attend<8, rows_per_block(8)>(problem); break;
+  }
+}
+
 }  // namespace
 
 // Keys and values of m tokens repacked for the kernel (token j's [Hk, D] slices at k_of(j),
@@ -436,16 +450,7 @@ at::Tensor attend_packed(const at::Tensor& q_in, const std::vector<at::Tensor>& 
                         reinterpret_cast<const uint32_t*>(kpk.data_ptr<int32_t>()),
                         reinterpret_cast<const uint32_t*>(vpk.data_ptr<int32_t>()),
                         n, m, Hq, Hq / Hk, m - n, m_pad, static_cast<float>(scale), causal};
-  switch (D / 16) {
-    case 1: attend<1, rows_per_block(1)>(problem); break;
-    case 2: attend<2, rows_per_block(2)>(problem); break;
-    case 3: attend<3, rows_per_block(3)>(problem); break;
-    case 4: attend<4, rows_per_block(4)>(problem); break;
-    case 5: attend<5, rows_per_block(5)>(problem); break;
-    case 6: attend<6, rows_per_block(6)>(problem); break;
-    case 7: attend<7, rows_per_block(7)>(problem); break;
-    default: attend<8, rows_per_block(8)>(problem); break;
-  }
+  attend_any(problem, D);
   return out;
 }
 
@@ -474,16 +479,7 @@ void attend_cached_chunk(const bf16* q, int64_t q_stride, bf16* out, int64_t out
   for (int64_t r = 0; r < n; ++r) std::memcpy(qd + r * q_row, q + r * q_stride, q_row * sizeof(bf16));
   const Problem problem{qd, oc.data_ptr(), false, kpk, vpk, n, m, Hq, Hq / Hk, m - n, m_pad,
                         scale, true};
-  switch (D / 16) {
-    case 1: attend<1, rows_per_block(1)>(problem); break;
-    case 2: attend<2, rows_per_block(2)>(problem); break;
-    case 3: attend<3, rows_per_block(3)>(problem); break;
-    case 4: attend<4, rows_per_block(4)>(problem); break;
-    case 5: attend<5, rows_per_block(5)>(problem); break;
-    case 6: attend<6, rows_per_block(6)>(problem); break;
-    case 7: attend<7, rows_per_block(7)>(problem); break;
-    default: attend<8, rows_per_block(8)>(problem); break;
-  }
+  attend_any(problem, D);
   const bf16* od = oc.data_ptr<bf16>();
   for (int64_t r = 0; r < n; ++r)
     std::memcpy(out + r * out_stride, od + r * q_row, q_row * sizeof(bf16));
