@@ -932,19 +932,28 @@ std::vector<AttentionSegment> attention_segments(int M, const int64_t* tab, int6
 // The same for a decode batch of a mixed step (the eager forward's decode rows): q [M, H, D],
 // caches [slots, KVH, D], block_tables [M, max_blocks], context_lens [M] (incl. the new token,
 // already written). Returns [M, H, D] bf16.
+// q [rows, H, D] and the caches [slots, KVH, D] as the attention kernels take them
+void check_attention_inputs(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16, "q: bf16 [rows, H, D]");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.scalar_type() == at::kBFloat16 &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "caches: contiguous bf16 [slots, KVH, D]");
+  const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == D && KVH > 0 && H % KVH == 0 && D % 16 == 0 && D <= 128,
+              "head shapes");
+}
+
 at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, int64_t block_size, double scale) {
-  TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kBFloat16, "q: bf16 [rows, H, D]");
-  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
-              "caches: contiguous bf16 [slots, KVH, D]");
+  check_attention_inputs(q_in, k_cache, v_cache);
   const at::Tensor q = q_in.contiguous();
   const at::Tensor tables = block_tables.to(at::kLong).contiguous();
   const at::Tensor lens = context_lens.to(at::kLong).contiguous();
   const int M = static_cast<int>(q.size(0));
   const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(2) == D && H % KVH == 0 && D % 16 == 0 && D <= 128, "head shapes");
   TORCH_CHECK(tables.size(0) == M && lens.size(0) == M, "one table and length per row");
   const int64_t* len = lens.data_ptr<int64_t>();
   for (int m = 0; m < M; ++m)
@@ -1458,10 +1467,7 @@ class PanelGemv {
 at::Tensor chunk_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_table,
                            int64_t context_len, int64_t block_size, double scale) {
-  TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kBFloat16, "q: bf16 [rows, H, D]");
-  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
-              "caches: contiguous bf16 [slots, KVH, D]");
+  check_attention_inputs(q_in, k_cache, v_cache);
   const at::Tensor q = q_in.contiguous();
   const at::Tensor table = block_table.to(at::kLong).contiguous();
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1);

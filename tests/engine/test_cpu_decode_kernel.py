@@ -174,6 +174,17 @@ def test_chunk_attention_matches_fp32(n, context, heads, kv_heads, head_dim, blo
     torch.testing.assert_close(got, rows, rtol=2e-2, atol=1e-2)
 
 
+def test_chunk_attention_rejects_bad_shapes() -> None:
+    cache = torch.zeros(64, 2, 32).bfloat16()
+    table = torch.arange(4)
+    with pytest.raises(RuntimeError, match="head shapes"):  # q's head size is not the cache's
+        kernels.chunk_attention(torch.zeros(4, 4, 16).bfloat16(), cache, cache, table, 8, 16, 1.0)
+    with pytest.raises(RuntimeError, match="context length"):  # more queries than tokens
+        kernels.chunk_attention(torch.zeros(9, 4, 32).bfloat16(), cache, cache, table, 8, 16, 1.0)
+    with pytest.raises(RuntimeError, match="context length"):  # past the block table
+        kernels.chunk_attention(torch.zeros(4, 4, 32).bfloat16(), cache, cache, table, 65, 16, 1.0)
+
+
 def test_flash_attention_rejects_bad_shapes() -> None:
     q = torch.randn(4, 2, 64).bfloat16()
     odd = torch.randn(4, 1, 24).bfloat16()
