@@ -162,12 +162,19 @@ class StepBudget:
     def starved_chunk(self, block_size: int) -> int:
         """Tokens a prefill starved by the time limit gets anyway: one block, or fewer when
         more would push the step out of the fused kernel (whose eager floor would stall every
-        chat stream in it), at least one."""
+        chat stream in it: 160-340 ms against a 25 ms step on a 2-core AVX2 EPYC).
+
+        0 when other prompt chunks of this step already took the kernel's spare rows: they
+        progress, so this request's turn comes (several starved frames each forcing one
+        token used to push a step to 18 rows and into the eager path). When the decodes
+        alone fill the kernel no chunk can stay fused, so the forced step carries a block."""
         f = self.features
-        spare = f.fused_prefill_rows - f.prefill_tokens - f.decode_tokens
         if not f.fused_decode_rows or f.fused_prefill_rows <= 0:
             return block_size
-        return max(1, min(block_size, spare))
+        spare = f.fused_prefill_rows - f.prefill_tokens - f.decode_tokens
+        if spare > 0:
+            return min(block_size, spare)
+        return 0 if f.prefill_tokens else block_size
 
     def _better_fused(self, k: int, cost: Callable[[int], float]) -> int:
         """A chunk that would push the step out of the fused kernel is cut back to the rows

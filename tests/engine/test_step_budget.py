@@ -212,6 +212,46 @@ def test_a_starved_prefill_keeps_the_step_in_the_fused_kernel():
     for _ in range(4):
         fused.add_decode(64)
     assert fused.starved_chunk(block_size=16) == 12
+    # the first starved frame takes the spare rows; a second one waits rather than push the
+    # step to 17 rows and into the eager path
+    fused.add_chunk(16, 12)
+    assert fused.features.prefill_tokens + fused.features.decode_tokens == 16
+    assert fused.starved_chunk(block_size=16) == 0
+    # decodes alone fill the kernel: any chunk makes the step eager, so it carries a block
+    full = StepBudget(
+        StepLimits(max_tokens=2048), model, fused_decode_rows=16, fused_prefill_rows=16
+    )
+    for _ in range(16):
+        full.add_decode(64)
+    assert full.starved_chunk(block_size=16) == 16
     plain = StepBudget(StepLimits(max_tokens=2048), model)
     plain.add_decode(64)
     assert plain.starved_chunk(block_size=16) == 16
+
+
+def test_starved_frames_beside_chat_never_push_a_step_out_of_the_fused_kernel(tiny_qwen2_vl):
+    """Three camera prompts starved by the ITL target beside four chat streams: the guard
+    feeds them, but only through the fused kernel's spare rows (one frame a step), never
+    one token each past them (an 18-row step went eager: 160-340 ms on a 2-core EPYC)."""
+    _, eng = _engine(tiny_qwen2_vl, target_itl_ms="8.5")
+    sched_cfg = eng.scheduler.config
+    sched_cfg.fused_decode_rows = sched_cfg.fused_prefill_rows = 16  # as the CPU kernel sets
+    chat = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    for i in range(4):
+        eng.add_request(f"chat{i}", text_conv(f"chat {i}"), chat)
+    while any(r.is_prefill for r in eng.scheduler.running) or eng.scheduler.waiting:
+        _run(eng, eng.scheduler.schedule())
+    # prompt tokens now cost more than the target leaves beside four decodes
+    eng.scheduler.cost_model = StepCostModel(
+        coefficients={"fixed": 0.004, "decode_tokens": 0.001, "prefill_tokens": 0.01}
+    )
+    for i in range(3):
+        eng.add_request(f"cam{i}", text_conv("frame " * 40), FEW, priority="batch")
+    fed = 0
+    for _ in range(3 * (sched_cfg.max_deferred_steps + 2)):
+        sched = eng.scheduler.schedule()
+        rows = sched.num_prefill_tokens + sched.num_decode_tokens
+        assert rows <= 16, f"a {rows}-row step leaves the fused kernel"
+        fed += sched.num_prefill_tokens
+        _run(eng, sched)
+    assert fed >= 2 * 12, "the starvation guard still feeds the frames"
