@@ -185,7 +185,7 @@ class OpenAIServing:
                 request_id, inputs, params, priority=req.priority, deadline_s=req.max_queue_seconds
             )
             return [stream]
-        prompt = await self.engine.process_inputs(inputs)
+        prompt = await self.engine.process_inputs(inputs, priority=req.priority)
         streams: list[AsyncIterator[Any]] = []
         try:
             for i in range(req.n):

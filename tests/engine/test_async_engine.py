@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from engine import LLM, AsyncEngine, EngineArgs, SamplingParams
+from engine.async_engine import BATCH_PREPROCESS_NICENESS
 from engine.errors import InvalidImageError
 from tests.engine.helpers import image_conv, noise_image, text_conv
 
@@ -74,3 +75,28 @@ async def test_leaving_the_stream_early_aborts_and_frees_blocks(async_engine):
     stats = async_engine.get_stats()
     assert stats.num_aborted == aborted_before + 1
     assert stats.kv_blocks_used == 0
+
+
+async def test_camera_frames_are_preprocessed_at_a_lower_cpu_priority(async_engine, monkeypatch):
+    """Batch requests' images are decoded on threads that yield the cores to the step loop;
+    interactive ones keep the normal priority (their preprocessing is part of a TTFT)."""
+    import os
+    import threading
+
+    seen: dict[str, int] = {}
+    prepare = async_engine._prepare
+
+    def recording_prepare(inputs, params):
+        seen[params.seed] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        return prepare(inputs, params)
+
+    monkeypatch.setattr(async_engine, "_prepare", recording_prepare)
+    frame = image_conv("who is there?", noise_image(112, 112, seed=5))
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    for seed, priority in ((1, "batch"), (2, "interactive")):
+        params = SamplingParams(temperature=0, max_tokens=2, seed=seed)
+        stream = await async_engine.add_request(f"nice-{seed}", frame, params, priority=priority)
+        async for _ in stream:
+            pass
+    assert seen[1] == max(base, BATCH_PREPROCESS_NICENESS)
+    assert seen[2] == base
