@@ -3,7 +3,8 @@
 For each mode a server is started on the same checkpoint and dtype, then driven with the
 ``openai`` async client, streaming:
 
-* phase "alone": K chat streams, nothing else — the ITL baseline (decode steps, no prefill);
+* phase "alone": K chat streams, nothing else — the ITL baseline (decode steps, no prefill),
+  for ``--alone-min-s`` at least (its tail is compared with a mixed phase of minutes);
 * phase "mixed": the same chat streams plus camera requests (one frame, ``priority=batch``,
   short answer) arriving as a seeded Poisson process at ``--camera-rate`` req/s (``inf``: all
   at t=0).
@@ -240,7 +241,11 @@ async def run_phase(
             msgs = [{"role": "user", "content": CHAT_PROMPTS[(i + n) % len(CHAT_PROMPTS)]}]
             await one_request(client, model, msgs, tokens, chat_extra, rec, t0)
             n += 1
-            if camera_rate is None and n >= args.alone_requests:
+            # the baseline's tail must come from as long a stretch as the mixed phase's (a
+            # few seconds of samples against minutes with frames compared a p99 of 380 gaps
+            # with one of 39,000)
+            alone_done = n >= args.alone_requests and time.monotonic() - t0 >= args.alone_min_s
+            if camera_rate is None and alone_done:
                 return
 
     async def cameras():
@@ -475,6 +480,7 @@ def run_mode(mode: str, model: Path, args) -> dict:
 def _warm(args):
     w = argparse.Namespace(**vars(args))
     w.num_chat, w.chat_min_tokens, w.chat_max_tokens, w.warmup_s = 1, 4, 4, 0.0
+    w.alone_min_s = 0.0
     return w
 
 
@@ -585,6 +591,12 @@ def main() -> None:
     ap.add_argument("--chat-max-tokens", type=int, default=128)
     ap.add_argument(
         "--alone-requests", type=int, default=1, help="chat requests per stream, alone phase"
+    )
+    ap.add_argument(
+        "--alone-min-s",
+        type=float,
+        default=60.0,
+        help="the alone phase lasts at least this long (more requests per stream)",
     )
     ap.add_argument("--camera-rate", type=float, default=0.5, help="req/s; inf = all at t=0")
     ap.add_argument("--num-cameras", type=int, default=6)

@@ -166,7 +166,8 @@ HELP = {
     "num_threads": "torch CPU threads (default: torch's choice)",
     "max_queue_len": "waiting requests before new ones are refused with 429 and Retry-After "
     "(default 256; 0: unbounded)",
-    "preprocess_workers": "threads decoding and preprocessing images off the step loop",
+    "preprocess_workers": "threads decoding and preprocessing images off the step loop, per "
+    "priority class (batch requests' threads run at nice 10)",
     "max_pixels": "most pixels an image is resized to (fewer image tokens; default: checkpoint's)",
     "min_pixels": "fewest pixels an image is resized to (default: the checkpoint's)",
     "quantization": "int8: decoder linears as int8 weights with per-channel scales, computed "

@@ -69,7 +69,8 @@ def test_serve_mixed_script(tiny_qwen2_vl, results):
         "--modes", "chunked-16,adaptive-auto+wholeenc,default@1.5+int8", "--num-chat", "2",
         "--chat-min-tokens", "4", "--chat-max-tokens", "6", "--num-cameras", "2",
         "--camera-rate", "inf", "--camera-tokens", "2", "--image-size", "112x112",
-        "--warmup-s", "0", "--capacity-rates", "4", "--capacity-cameras", "1", "--out", "m",
+        "--warmup-s", "0", "--alone-min-s", "0", "--capacity-rates", "4",
+        "--capacity-cameras", "1", "--out", "m",
         "--slo-itl-ms", "200,5000",
         results=results,
     )  # fmt: skip
