@@ -99,8 +99,8 @@ class AsyncEngine:
         self._stats = self.engine.get_stats()
         workers = max(1, args.preprocess_workers)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="preprocess")
-        # camera frames are decoded at a lower OS priority: on a 2-core box four of them
-        # arriving together took both cores from the step loop for ~150 ms and every chat
+        # camera frames are decoded at a lower OS priority: on a 2-core box three of them
+        # arriving together took both cores from the step loop for 100-150 ms and every chat
         # stream's tokens waited with it. Interactive images keep the normal priority (their
         # preprocessing is part of someone's TTFT).
         self._batch_pool = ThreadPoolExecutor(
