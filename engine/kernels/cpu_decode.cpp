@@ -929,9 +929,6 @@ std::vector<AttentionSegment> attention_segments(int M, const int64_t* tab, int6
   return out;
 }
 
-// The same for a decode batch of a mixed step (the eager forward's decode rows): q [M, H, D],
-// caches [slots, KVH, D], block_tables [M, max_blocks], context_lens [M] (incl. the new token,
-// already written). Returns [M, H, D] bf16.
 // q [rows, H, D] and the caches [slots, KVH, D] as the attention kernels take them
 void check_attention_inputs(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache) {
@@ -945,6 +942,9 @@ void check_attention_inputs(const at::Tensor& q, const at::Tensor& k_cache,
               "head shapes");
 }
 
+// The same for a decode batch of a mixed step (the eager forward's decode rows): q [M, H, D],
+// caches [slots, KVH, D], block_tables [M, max_blocks], context_lens [M] (incl. the new token,
+// already written). Returns [M, H, D] bf16.
 at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, int64_t block_size, double scale) {
