@@ -53,8 +53,10 @@ SIDE_CHUNKS = (1, 2, 4, 8, 12, 16, 32, 64)
 MAX_CALIBRATION_STEP_S = 1.5  # prefill shapes stop growing past a step this long
 # a synthetic image for the encoder shapes: 32x32 patches (a 448x448 picture's worth)
 ENCODER_GRID = (1, 32, 32)
-ENCODER_FRACTIONS = (1 / 32, 1 / 16, 1 / 8)  # of the image's work per step
-CACHE_VERSION = 4  # bump when what a calibration measures changes
+# of the image's work per step: from the few rows a step beside chat gets to several items, so
+# the fit can tell the per-item cost from the per-unit one
+ENCODER_FRACTIONS = (1 / 128, 1 / 64, 1 / 32, 1 / 16, 1 / 8)
+CACHE_VERSION = 5  # bump when what a calibration measures changes
 
 
 class _Calibrator:
@@ -64,7 +66,8 @@ class _Calibrator:
         self.lengths: dict[str, int] = {}
         self.samples = 0
         self.last_seconds = 0.0
-        self.recorded: list[tuple[StepFeatures, float]] = []
+        # (features, step seconds, encoder seconds or None)
+        self.recorded: list[tuple[StepFeatures, float, float | None]] = []
 
     def chunk(self, rid: str, n: int, sample: bool) -> ScheduledChunk:
         start = self.lengths.get(rid, 0)
@@ -117,9 +120,11 @@ class _Calibrator:
             self.observe(features, seconds)
         return True
 
-    def observe(self, features: StepFeatures, seconds: float) -> None:
-        self.cost_model.observe(features, seconds)
-        self.recorded.append((features, seconds))
+    def observe(
+        self, features: StepFeatures, seconds: float, encoder_s: float | None = None
+    ) -> None:
+        self.cost_model.observe(features, seconds, encoder_s)
+        self.recorded.append((features, seconds, encoder_s))
         self.samples += 1
 
     def encoder_steps(self, decoders: list[str]) -> None:
@@ -169,7 +174,8 @@ class _Calibrator:
         for rid, total in need.items():
             self.lengths[rid] = total
         features.encoder_units = result.encoder_units
-        self.observe(features, seconds)
+        features.encoder_items = result.encoder_items
+        self.observe(features, seconds, result.encoder_work_s)
 
     def shape(self, build) -> None:
         """One shape three times: a cold run, then two warm ones the cost model learns from
@@ -192,8 +198,9 @@ def calibrate(
     cost_model: StepCostModel,
     max_num_batched_tokens: int,
     max_num_seqs: int,
-) -> list[tuple[StepFeatures, float]]:
-    """Seed ``cost_model`` with synthetic steps; returns the (features, seconds) observed."""
+) -> list[tuple[StepFeatures, float, float | None]]:
+    """Seed ``cost_model`` with synthetic steps; returns the (features, step seconds, encoder
+    seconds) observed."""
     cal = _Calibrator(runner, kv, cost_model)
     t0 = time.perf_counter()
     try:
@@ -293,8 +300,8 @@ def calibrate_cached(
     path = cache_dir() / f"{key}.json"
     try:
         samples = json.loads(path.read_text())["samples"]
-        for fields, seconds in samples:
-            cost_model.observe(StepFeatures(**fields), float(seconds))
+        for fields, seconds, encoder_s in samples:
+            cost_model.observe(StepFeatures(**fields), float(seconds), encoder_s)
         cost_model.refit()
         if cost_model.ready:
             log.info("cost_model_from_cache path=%s samples=%d", path, len(samples))
@@ -313,7 +320,7 @@ def calibrate_cached(
             os.cpu_count() or 1,
         )
         return
-    data = {"samples": [(vars(f), s) for f, s in recorded]}
+    data = {"samples": [(vars(f), s, e) for f, s, e in recorded]}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -2,6 +2,7 @@
 
     step_s ≈ fixed + l·lm_forward + a·prefill_tokens + b·decode_tokens
              + Σ_k h_k·max(0, rows − k) + c·attention_units + d·encoder_units
+             + i·encoder_items
 
 ``rows`` are all new tokens of the step (decode and prefill): the weights are read once per
 step whatever the row count, so up to the machine's ridge point (a few rows on a CPU, hundreds
@@ -25,7 +26,17 @@ it is always 0.
 
 ``attention_units`` is the query×key work of the step (each new token times the context it
 attends to, in thousands) and ``encoder_units`` the vision-tower work run in the step (in
-thousands of the tower's patch-block units, see ``engine/models/vision_encoder.py``). The
+thousands of the tower's patch-block units, see ``engine/models/vision_encoder.py``).
+``encoder_items`` counts the vision work items the step ran: each costs more than its FLOPs
+(on a 2-core AVX2 EPYC beside 4 decodes, a 16-row piece of a 640x480 frame's attention + MLP
+took 5 ms, 2-3 ms more than its FLOPs at full speed, mostly small-row matmuls). Priced by FLOPs
+alone, steps given a few ms of encoder work beside chat ran 1-5 ms over their ITL target at
+the median, 7-21 ms at p99 (in-process runs of the same workload).
+
+The two encoder prices are fitted apart, on the encoder's own measured time (the runner times
+it): a few ms of encoder work sit inside a step whose decode part varies by as much on a
+shared machine. A step that reports its encoder time teaches the rest of the model its time
+without it. The
 coefficients are refit by least squares over recent steps of every kind (see
 :class:`StepCostModel`), so they track the machine, the model and the dtype without hand
 tuning; the scheduler asks the model how many prefill tokens fit under an inter-token-latency
@@ -34,6 +45,7 @@ target. ``engine/calibration.py`` seeds it at start-up with steps of every shape
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass
 
@@ -47,6 +59,7 @@ FEATURES = (
     *(f"rows_over_{k}" for k in ROW_KNOTS),
     "attention_kunits",
     "encoder_kunits",
+    "encoder_items",
     "eager_forward",
     "lm_forward",
 )
@@ -58,6 +71,7 @@ class StepFeatures:
     decode_tokens: int = 0
     attention_units: float = 0.0  # sum over new tokens of the context length they attend to
     encoder_units: float = 0.0  # vision-tower work (patch-block units)
+    encoder_items: int = 0  # vision work items that work ran in (a fixed cost each)
     fused_decode_rows: int = 0  # the engine's fused-decode row limit (0: no fused kernel)
     force_eager: bool = False  # price the step as an eager forward whatever its shape
     # steps with prompt tokens run the fused kernel up to this many rows in all (0: never)
@@ -83,6 +97,7 @@ class StepFeatures:
                 *(max(0, rows - k) for k in ROW_KNOTS),
                 self.attention_units / 1e3,
                 self.encoder_units / 1e3,
+                self.encoder_items,
                 float(self.eager_forward),
                 float(rows > 0),
             ]
@@ -94,6 +109,7 @@ class StepFeatures:
             self.decode_tokens + other.decode_tokens,
             self.attention_units + other.attention_units,
             self.encoder_units + other.encoder_units,
+            self.encoder_items + other.encoder_items,
             max(self.fused_decode_rows, other.fused_decode_rows),
             self.force_eager or other.force_eager,
             max(self.fused_prefill_rows, other.fused_prefill_rows),
@@ -132,6 +148,9 @@ class StepCostModel:
         self.since_fit = 0
         self.num_samples = 0
         self.coef: np.ndarray | None = None
+        # (kunits, items, encoder seconds) of recent steps that timed their encoder work,
+        # kept per item count so that steps of one shape cannot crowd the others out
+        self.encoder_samples: dict[int, deque[tuple[float, int, float]]] = {}
         self.fixed = coefficients is not None  # a synthetic model (tests) never refits
         if coefficients is not None:
             self.coef = np.array([coefficients.get(name, 0.0) for name in FEATURES])
@@ -140,9 +159,19 @@ class StepCostModel:
     def ready(self) -> bool:
         return self.coef is not None
 
-    def observe(self, features: StepFeatures, seconds: float) -> None:
+    def observe(
+        self, features: StepFeatures, seconds: float, encoder_s: float | None = None
+    ) -> None:
+        """One step's time. ``encoder_s``: the part of it the encoder work took, when timed:
+        the encoder prices are then fitted on it and the rest of the model on the remainder."""
         if self.fixed:
             return
+        if encoder_s is not None and features.encoder_items > 0:
+            key = min(features.encoder_items, 4)
+            kept = self.encoder_samples.setdefault(key, deque(maxlen=self.per_bucket))
+            kept.append((features.encoder_units / 1e3, features.encoder_items, encoder_s))
+            features = dataclasses.replace(features, encoder_units=0.0, encoder_items=0)
+            seconds = max(seconds - encoder_s, 0.0)
         bucket = self.buckets.setdefault(_bucket(features), deque(maxlen=self.per_bucket))
         self.num_samples += len(bucket) < self.per_bucket
         bucket.append((features.vector(), seconds))
@@ -163,21 +192,13 @@ class StepCostModel:
         # relative error, not absolute: the scheduler cares about a 50 ms decode step as much
         # as a 2 s prefill, and absolute least squares lets the long steps set every price
         y = np.array([t for _, t in samples])
-        weight = 1.0 / np.maximum(y, 1e-4)
-        x = np.stack([v for v, _ in samples]) * weight[:, None]
-        y = y * weight
-        active = np.ones(x.shape[1], dtype=bool)
-        coef = np.zeros(x.shape[1])
-        # least squares, then drop features that came out negative and refit (a cheap NNLS):
-        # a negative cost per token would let the scheduler promise time it does not have
-        for _ in range(x.shape[1]):
-            sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
-            coef = np.zeros(x.shape[1])
-            coef[active] = sol
-            negative = (coef < 0) & active
-            if not negative.any():
-                break
-            active &= ~negative
+        coef = _nonnegative_lstsq(np.stack([v for v, _ in samples]), y)
+        encoder = [s for kept in self.encoder_samples.values() for s in kept]
+        if len(encoder) >= self.min_samples:
+            units_items = np.array([(u, n) for u, n, _ in encoder], dtype=float)
+            prices = _nonnegative_lstsq(units_items, np.array([t for *_, t in encoder]))
+            coef[FEATURES.index("encoder_kunits")] = prices[0]
+            coef[FEATURES.index("encoder_items")] = prices[1]
         self.coef = coef
         self.since_fit = 0
 
@@ -206,6 +227,25 @@ class StepCostModel:
         if self.coef is None:
             return {}
         return dict(zip(FEATURES, (float(c) for c in self.coef), strict=True))
+
+
+def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares on relative error with no negative coefficient (a cheap NNLS: fit, drop
+    the features that came out negative, refit): a negative cost per token would let the
+    scheduler promise time it does not have."""
+    weight = 1.0 / np.maximum(y, 1e-4)
+    x, y = x * weight[:, None], y * weight
+    active = np.ones(x.shape[1], dtype=bool)
+    coef = np.zeros(x.shape[1])
+    for _ in range(x.shape[1]):
+        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        coef = np.zeros(x.shape[1])
+        coef[active] = sol
+        negative = (coef < 0) & active
+        if not negative.any():
+            break
+        active &= ~negative
+    return coef
 
 
 def _bucket(features: StepFeatures) -> tuple[int, bool, bool, bool]:

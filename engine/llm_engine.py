@@ -335,9 +335,12 @@ class LLMEngine:
         s = self.stats
         if sched.is_empty:
             return
+        encoder_s = None
         if result is not None:
             sched.features.encoder_units = result.encoder_units  # what actually ran
-        self.scheduler.cost_model.observe(sched.features, elapsed)
+            sched.features.encoder_items = result.encoder_items
+            encoder_s = result.encoder_work_s
+        self.scheduler.cost_model.observe(sched.features, elapsed, encoder_s)
         s.num_steps += 1
         s.last_step_time_s = elapsed
         s.record_step_time(elapsed)

@@ -31,6 +31,10 @@ class StepResult:
     encoder_units: float  # vision work done this step (patch-block units)
     encoder_progress: dict[str, float]  # content hash -> work left (0: embeddings ready)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # requests that asked
+    encoder_items: int = 0  # vision work items that work ran in (each has a fixed cost)
+    # seconds in those items alone, what their prices are fitted on: a new job's set-up
+    # (tens of MB of buffers for a frame) is no item's cost
+    encoder_work_s: float = 0.0
 
 
 class ModelRunner:
@@ -162,16 +166,25 @@ class ModelRunner:
             self.encoder_outputs.pop(h, None)
             self.encode_jobs.pop(h, None)
         t0 = time.perf_counter()
-        units, progress = self._encode(sched)
+        units, items, work_s, progress = self._encode(sched)
         t1 = time.perf_counter()
         sampled: dict[str, int] = {}
         self._step_logprobs = {}
         if sched.chunks:
             sampled = self._forward_and_sample(sched)
         t2 = time.perf_counter()
-        return StepResult(sampled, t1 - t0, t2 - t1, units, progress, self._step_logprobs)
+        return StepResult(
+            sampled,
+            t1 - t0,
+            t2 - t1,
+            units,
+            progress,
+            self._step_logprobs,
+            encoder_items=items,
+            encoder_work_s=work_s,
+        )
 
-    def _encode(self, sched: SchedulerOutput) -> tuple[float, dict[str, float]]:
+    def _encode(self, sched: SchedulerOutput) -> tuple[float, int, float, dict[str, float]]:
         """Start new encoding jobs and advance each by the work the scheduler granted."""
         for job in sched.encoder_jobs:
             grid = torch.tensor([job.grid_thw], dtype=torch.long)
@@ -181,20 +194,23 @@ class ModelRunner:
                 continue
             tower = self.model.vision_tower(self.encoder_rows_per_item)
             self.encode_jobs[job.content_hash] = tower.job(job.pixel_values, grid)
-        spent, progress = 0.0, {}
+        spent, items, work_s, progress = 0.0, 0, 0.0, {}
         for h, units in sched.encoder_work.items():
             job = self.encode_jobs.get(h)
             if job is None:
                 progress[h] = 0.0 if h in self.encoder_outputs else progress.get(h, 0.0)
                 continue
-            spent += job.advance(units)
+            before, t0 = job.items_run, time.perf_counter()
+            spent += job.advance(units, sched.encoder_item_overhead)
+            work_s += time.perf_counter() - t0
+            items += job.items_run - before
             if job.done():
                 self.encoder_outputs[h] = job.result()[0].to(self.dtype)
                 del self.encode_jobs[h]
                 progress[h] = 0.0
             else:
                 progress[h] = job.remaining_cost
-        return spent, progress
+        return spent, items, work_s, progress
 
     def _forward_and_sample(self, sched: SchedulerOutput) -> dict[str, int]:
         chunks = sched.chunks

@@ -79,6 +79,9 @@ class SchedulerOutput:
     encoder_jobs: list[EncoderJob] = field(default_factory=list)  # jobs to start this step
     # work per encoding job this step, in patch-block units (inf: run it to completion)
     encoder_work: dict[str, float] = field(default_factory=dict)
+    # what one more vision work item costs beyond its FLOPs, in the same units (the cost
+    # model's per-item price over its per-unit price; 0 until it has learnt one)
+    encoder_item_overhead: float = 0.0
     evicted_encoder_hashes: list[str] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     expired: list[Request] = field(default_factory=list)
@@ -270,6 +273,7 @@ class Scheduler:
         out.target_s = budget.limit_s
         if budget.limit_s is not None:
             out.predicted_s = budget.predicted_s
+            out.encoder_item_overhead = budget.encoder_item_overhead()
         self.last_target_s = budget.limit_s
         self.last_prefill_budget = (
             prefill_tokens if budget.limit_s is not None else budget.tokens_left + prefill_tokens

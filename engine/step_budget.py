@@ -206,20 +206,34 @@ class StepBudget:
         return self.encoder_unit_tokens
 
     def encoder_allowance(self, reserved_tokens: int = 0) -> float:
-        """Encoder units this step may still carry, ``reserved_tokens`` of text kept aside."""
+        """Encoder units this step may still carry, ``reserved_tokens`` of text kept aside.
+        Under a time limit the item the work runs in is paid for first (its fixed cost)."""
         units = max(0, self.tokens_left - reserved_tokens) / self.tokens_per_encoder_unit()
         if self.limit_s is None:
             return units
+        per_unit = self._seconds_per_encoder_unit()
+        if per_unit <= 0:
+            return 0.0
+        time_left = self.time_left() - self.cost_model.seconds_per("encoder_items")
+        return min(units, max(0.0, time_left) / per_unit)
+
+    def encoder_item_overhead(self) -> float:
+        """The fixed cost of one vision work item in encoder units: what the runner charges
+        each item it runs (``VisionEncodeJob.advance``), 0 until the cost model has a price."""
+        per_unit = self._seconds_per_encoder_unit()
+        per_item = self.cost_model.seconds_per("encoder_items")
+        return per_item / per_unit if per_unit > 0 and per_item > 0 else 0.0
+
+    def _seconds_per_encoder_unit(self) -> float:
         per_unit = self.cost_model.seconds_per("encoder_units")
         if per_unit <= 0:  # not separated by the fit yet: price it by FLOPs, never as free
             per_unit = self.cost_model.compute_bound_prefill_s() * self.encoder_unit_tokens
-        if per_unit <= 0:
-            return 0.0
-        return min(units, self.time_left() / per_unit)
+        return per_unit
 
     def add_encoder(self, units: float) -> None:
-        """Account for encoder work that will run (finite units only)."""
+        """Account for encoder work that will run (finite units only), in one work item."""
         self.features.encoder_units += units
+        self.features.encoder_items += 1
         self.tokens_left -= math.ceil(units * self.tokens_per_encoder_unit())
 
 

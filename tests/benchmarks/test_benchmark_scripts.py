@@ -177,3 +177,17 @@ def test_step_overhead_script(tiny_qwen2_vl, results):
     for batch in ("1", "3"):
         row = data["batches"][batch]
         assert row["steps"] >= 3 and 0 < row["kernel_ms"] < row["step_ms_mean"]
+
+
+@pytest.mark.slow
+def test_encoder_beside_chat_script(tiny_qwen2_vl, results):
+    _run(
+        "benchmarks.encoder_beside_chat",
+        "--model", str(tiny_qwen2_vl), "--dtype", "float32", "--num-chat", "2",
+        "--frames", "1", "--image-size", "112x112", "--warm-steps", "8",
+        "--frame-gap-steps", "12", "--steps", "12", "--out", "e.json",
+        results=results,
+    )  # fmt: skip
+    summary = json.loads((results / "e.json").read_text())["summary"]
+    assert summary["steps"] >= 1 and summary["encoder_units"] > 0
+    assert summary["whole_frame_ms_per_unit"] > 0 and summary["slice_efficiency"] > 0

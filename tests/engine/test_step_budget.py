@@ -151,6 +151,34 @@ def test_an_interactive_image_is_encoded_before_batch_images(tiny_qwen2_vl):
     assert list(sched.encoder_work) == [look_hash], "the chat image's encoding, nothing else"
 
 
+def test_encoder_work_is_granted_net_of_its_per_item_cost(tiny_qwen2_vl):
+    """A vision work item costs a fixed price on top of its units: the budget pays it before
+    granting units, the runner is told it (in units) to charge every item it runs, and the
+    step's prediction holds with the item counted in."""
+    _, eng = _engine(tiny_qwen2_vl, enable_prefix_caching=False, encoder_rows_per_item=16)
+    per_item, per_kunit = 0.01, 0.05
+    costs = {**SYNTHETIC, "encoder_kunits": per_kunit, "encoder_items": per_item}
+    eng.scheduler.cost_model = StepCostModel(coefficients=costs)
+    eng.add_request("cam", _frame(23), FEW, priority="batch")
+    sched = eng.scheduler.schedule()
+    cam_hash = eng.scheduler.requests["cam"].prompt.images[0].content_hash
+    granted = sched.encoder_work[cam_hash]
+    assert sched.encoder_item_overhead == pytest.approx(per_item / (per_kunit / 1e3))
+    assert sched.features.encoder_items == 1
+    assert sched.predicted_s == pytest.approx(
+        eng.scheduler.cost_model.predict(sched.features), rel=1e-9
+    )
+    assert sched.predicted_s <= sched.target_s + 1e-9
+    # the same step without the item price would have granted its worth more units
+    eng.scheduler.cost_model = StepCostModel(coefficients={**costs, "encoder_items": 0.0})
+    fresh = _served(tiny_qwen2_vl, enable_prefix_caching=False, encoder_rows_per_item=16)
+    fresh.scheduler.cost_model = eng.scheduler.cost_model
+    fresh.add_request("cam", _frame(23), FEW, priority="batch")
+    plain = fresh.scheduler.schedule()
+    assert plain.encoder_item_overhead == 0.0
+    assert plain.encoder_work[cam_hash] == pytest.approx(granted + per_item / (per_kunit / 1e3))
+
+
 def test_startup_log_states_the_step_policy(tiny_qwen2_vl, caplog):
     with caplog.at_level(logging.INFO, logger="engine.calibration"):
         _served(tiny_qwen2_vl)
