@@ -170,9 +170,8 @@ def test_encoder_work_is_granted_net_of_its_per_item_cost(tiny_qwen2_vl):
     )
     assert sched.predicted_s <= sched.target_s + 1e-9
     # the same step without the item price would have granted its worth more units
-    eng.scheduler.cost_model = StepCostModel(coefficients={**costs, "encoder_items": 0.0})
     fresh = _served(tiny_qwen2_vl, enable_prefix_caching=False, encoder_rows_per_item=16)
-    fresh.scheduler.cost_model = eng.scheduler.cost_model
+    fresh.scheduler.cost_model = StepCostModel(coefficients={**costs, "encoder_items": 0.0})
     fresh.add_request("cam", _frame(23), FEW, priority="batch")
     plain = fresh.scheduler.schedule()
     assert plain.encoder_item_overhead == 0.0
