@@ -358,8 +358,6 @@ class VisionEncodeJob:
             return
         # the most rows whose piece fits (attention makes the price uneven across rows)
         lo, hi = MIN_SPLIT_ROWS, rows - MIN_SPLIT_ROWS + 1  # lo rows run anyway; hi do not fit
-        if self._item(item.kind, item.block, item.start, item.start + hi - 1).cost <= max_cost:
-            lo = hi - 1
         while hi - lo > 1:
             mid = (lo + hi) // 2
             if self._item(item.kind, item.block, item.start, item.start + mid).cost <= max_cost:
