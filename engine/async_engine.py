@@ -230,6 +230,8 @@ class AsyncEngine:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=30)
+        if not self._thread.is_alive():  # a step still running keeps its trace open
+            self.engine.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._batch_pool.shutdown(wait=False, cancel_futures=True)
 

@@ -65,6 +65,8 @@ class EngineArgs:
     cpu_kernels: bool = True  # bf16 CPU: native decode step and prefill attention (engine/kernels)
     # weight-only quantization of the decoder's linears (vLLM's flag); None: weights as loaded
     quantization: str | None = None
+    # a JSON line per step (budget, prediction, encoder work) appended here; None: off
+    step_trace: str | None = None
 
     def __post_init__(self) -> None:
         if self.quantization in ("", "none", "None"):
@@ -172,6 +174,9 @@ HELP = {
     "min_pixels": "fewest pixels an image is resized to (default: the checkpoint's)",
     "quantization": "int8: decoder linears as int8 weights with per-channel scales, computed "
     "in fp32 (CPU; a quarter of fp32's bytes per decode step)",
+    "step_trace": "append one JSON line per engine step to this file (target, predicted and "
+    "measured seconds, decodes, prompt tokens, encoder work granted and run): to see why chat "
+    "ITL or camera throughput is what it is (engine/step_trace.py); default: off",
     "cpu_kernels": "bf16 CPU: decode-only steps as one native call, prefill and vision attention "
     "in a native flash kernel (built on first use; PyTorch where they cannot run)",
 }

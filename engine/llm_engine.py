@@ -33,6 +33,7 @@ from engine.request import Priority, ProcessedPrompt, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.stats import EngineStats
+from engine.step_trace import StepTrace
 from engine.structured_output import GrammarCompiler
 
 log = logging.getLogger("engine")
@@ -118,6 +119,7 @@ class LLMEngine:
         self._grammar_lock = threading.Lock()
         self.last_step_idle = False  # the last step had nothing to run
         self.stats = EngineStats(kv_blocks_total=num_blocks)
+        self.step_trace = StepTrace(args.step_trace) if args.step_trace else None
         freeze_loaded_objects()
         log.info(
             "engine_ready model=%s arch=%s dtype=%s device=%s kv_blocks=%d block_size=%d "
@@ -341,6 +343,8 @@ class LLMEngine:
             sched.features.encoder_items = result.encoder_items
             encoder_s = result.encoder_work_s
         self.scheduler.cost_model.observe(sched.features, elapsed, encoder_s)
+        if self.step_trace is not None:
+            self.step_trace.record(sched, result, elapsed)
         s.num_steps += 1
         s.last_step_time_s = elapsed
         s.record_step_time(elapsed)
@@ -350,6 +354,11 @@ class LLMEngine:
         s.last_step_encoder_s = result.encode_s if result else 0.0
         s.total_prefill_tokens_computed += sched.num_prefill_tokens
         s.record_step_tokens(sched.num_prefill_tokens + sched.num_decode_tokens)
+
+    def close(self) -> None:
+        """Release what the engine holds open beyond memory (the step trace's file)."""
+        if self.step_trace is not None:
+            self.step_trace.close()
 
     def get_stats(self) -> EngineStats:
         s = self.stats

@@ -217,8 +217,8 @@ class Scheduler:
 
         # 2. prompt chunks: running part-done prompts and waiting requests, best class first;
         #    a waiting interactive request outranks a half-done batch prefill. The time limit
-        #    is the ITL target while chat decodes, else the step bound; batch work next to
-        #    active interactive work gets the ITL target at most.
+        #    is the step bound; batch work next to active interactive work gets the ITL
+        #    target at most (without a step bound, interactive prompts get it too).
         budget.open_prefill(interactive_decoding)
         interactive_active = interactive_decoding or any(
             r.priority is Priority.INTERACTIVE for r in self.running + self.waiting

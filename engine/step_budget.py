@@ -5,9 +5,11 @@ A step is sized two ways at once:
 * **tokens** — a hard cap (``--max-num-batched-tokens``, or a memory-safe cap when steps are
   sized by time), shared by decodes, prompt chunks and encoder work (in token equivalents);
 * **seconds** — a limit on the step's *predicted* duration (:class:`StepCostModel`):
-  ``target_itl_s`` while interactive requests are active (decoding, prefilling or waiting), so
-  chat streams keep their inter-token latency, and ``max_step_s`` always, so an interactive
-  request that arrives while only camera work runs waits at most one short step.
+  ``target_itl_s`` on batch work while interactive requests are active (decoding, prefilling
+  or waiting), so chat streams keep their inter-token latency beside camera work, and
+  ``max_step_s`` always, so an interactive request that arrives while only camera work runs
+  waits at most one short step (and a chat's prompt beside other chats' decodes runs in
+  steps no longer than that).
 
 ``StepLimits`` is the policy, resolved once at engine start; :class:`StepBudget` is one step's
 account, with a few verbs the scheduler calls in its own order (decodes, then prompt chunks
@@ -84,16 +86,29 @@ class StepBudget:
 
     # ---- the time limit -----------------------------------------------------------------------
     def open_prefill(self, interactive_decoding: bool) -> None:
-        """Fix the time limit for prompt work once the decodes are in: the ITL target while
-        interactive streams decode, else the step bound. Limits need a fitted cost model."""
+        """Fix the time limit for interactive prompt work once the decodes are in: the step
+        bound (batch work gets the ITL target on top, :meth:`restrict_to_itl`). Limits need a
+        fitted cost model.
+
+        Why not the ITL target for interactive prompts too: it protects chat streams from
+        camera work, and applied between chat requests it starved the waiting ones. Eight
+        chats sent at once got ~5 prompt tokens a step beside the first one's decodes: 30 %
+        less throughput than a fixed 2,048-token budget on a 2-core AVX2 EPYC
+        (``benchmarks.default_cost``), every TTFT but the first seconds long. Under the step
+        bound a waiting chat's prompt takes the fused kernel's spare rows (or a bigger chunk,
+        where that costs less per token): the running streams' ITL stretches for a step or
+        two, never past the bound. Without a step bound (``--max-step-ms off``) interactive
+        prompts keep the ITL target, as no other limit would hold them."""
         if not self.cost_model.ready:
             return
         self.itl_target_s = self._resolve(
             self.limits.target_itl_s, self.limits.auto_itl_factor, floor=0.0
         )
         bound = self.step_bound_s()
-        limits = [s for s in (bound, self.itl_target_s if interactive_decoding else None) if s]
-        self.limit_s = min(limits) if limits else None
+        if bound is not None:
+            self.limit_s = bound
+        else:
+            self.limit_s = self.itl_target_s if interactive_decoding else None
 
     def step_bound_s(self) -> float | None:
         """The bound on any step's predicted time, "auto" resolved against this step."""

@@ -191,3 +191,18 @@ def test_encoder_beside_chat_script(tiny_qwen2_vl, results):
     summary = json.loads((results / "e.json").read_text())["summary"]
     assert summary["steps"] >= 1 and summary["encoder_units"] > 0
     assert summary["whole_frame_ms_per_unit"] > 0 and summary["slice_efficiency"] > 0
+
+
+@pytest.mark.slow
+def test_default_cost_script(tiny_qwen2_vl, results):
+    _run(
+        "benchmarks.default_cost",
+        "--model", str(tiny_qwen2_vl), "--dtype", "float32", "--repeats", "2",
+        "--frames", "2", "--image-size", "112x112", "--num-chat", "2",
+        "--prompt-tokens", "16", "--chat-tokens", "4", "--out", "d.json",
+        results=results,
+    )  # fmt: skip
+    out = json.loads((results / "d.json").read_text())["results"]
+    for workload in ("camera", "chat"):
+        assert len(out[workload]["pairs_s"]) == 2
+        assert out[workload]["default_per_unit"] > 0 and out[workload]["fixed_per_unit"] > 0

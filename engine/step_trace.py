@@ -1,0 +1,63 @@
+"""One JSON line per engine step: what the step budget promised and what the step did.
+
+Why: whether chat keeps its ITL beside camera work, and how much camera work the time it leaves
+buys, is decided step by step (target, prediction, encoder grant, item price) and is invisible
+in request-level metrics. A server run with ``--step-trace PATH`` shows it directly: session 14
+found from such a trace that, under a streaming client on the same 2 cores, every step beside
+chat ran one 16-row vision piece whose wall time was twice its CPU time. Off by default (a line
+per step is ~40 per second).
+
+Fields (seconds unless named otherwise): ``at`` wall clock, ``step_s`` measured, ``predicted_s``
+and ``target_s`` (the ITL target, when one applied) from the budget, ``decodes`` /
+``prefill_tokens``, ``encoder_grant`` (units granted), ``encoder_units`` / ``encoder_items`` /
+``encoder_s`` (what ran and its own time), ``item_overhead`` (units charged per item),
+``forward_s`` (the language model's forward and sampling).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import TextIO
+
+
+class StepTrace:
+    """Appends step records to a file; flushed every ``flush_every`` records and on close."""
+
+    def __init__(self, path: str | Path, flush_every: int = 64) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: TextIO | None = self.path.open("a", encoding="utf-8")
+        self.flush_every = flush_every
+        self._pending = 0
+
+    def record(self, sched, result, step_s: float) -> None:
+        """One step: ``sched`` the scheduler's output, ``result`` the runner's (None when the
+        step ran nothing)."""
+        if self._file is None:
+            return
+        line = {
+            "at": round(time.time(), 4),
+            "step_s": step_s,
+            "predicted_s": sched.predicted_s,
+            "target_s": sched.target_s,
+            "decodes": sched.num_decode_tokens,
+            "prefill_tokens": sched.num_prefill_tokens,
+            "encoder_grant": sum(v for v in sched.encoder_work.values() if v != float("inf")),
+            "item_overhead": sched.encoder_item_overhead,
+            "encoder_units": result.encoder_units if result else 0.0,
+            "encoder_items": result.encoder_items if result else 0,
+            "encoder_s": result.encoder_work_s if result else 0.0,
+            "forward_s": result.forward_s if result else 0.0,
+        }
+        self._file.write(json.dumps(line) + "\n")
+        self._pending += 1
+        if self._pending >= self.flush_every:
+            self._file.flush()
+            self._pending = 0
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -1,0 +1,44 @@
+"""``--step-trace``: one JSON line per step, the budget's promise beside what the step did."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from engine import EngineArgs, SamplingParams
+from engine.config import add_engine_cli_args, engine_args_from_namespace
+from engine.llm_engine import LLMEngine
+from tests.engine.helpers import image_conv, noise_image, text_conv
+
+
+def test_the_flag_reaches_the_engine_args(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_engine_cli_args(parser)
+    path = str(tmp_path / "steps.jsonl")
+    ns = parser.parse_args(["--model", "m", "--step-trace", path])
+    assert engine_args_from_namespace(ns).step_trace == path
+    assert EngineArgs(model="m").step_trace is None  # off by default
+
+
+def test_every_step_is_traced_with_its_encoder_work(tiny_qwen2_vl, tmp_path):
+    path = tmp_path / "traces" / "steps.jsonl"  # a missing folder is made
+    engine = LLMEngine(EngineArgs(model=str(tiny_qwen2_vl), dtype="float32", step_trace=str(path)))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("chat", text_conv("Hello there"), params, priority="interactive")
+    frame = image_conv("Who is in view?", noise_image(224, 168, seed=3))
+    engine.add_request("frame", frame, params, priority="batch")
+    while engine.has_unfinished():
+        engine.step()
+    engine.close()
+    engine.close()  # twice is harmless (the server's shutdown and an owner may both call it)
+
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == engine.stats.num_steps
+    assert sum(r["decodes"] for r in lines) == 2 * (params.max_tokens - 1)
+    assert sum(r["encoder_items"] for r in lines) > 0
+    encoding = [r for r in lines if r["encoder_items"]]
+    assert all(r["encoder_units"] > 0 and r["encoder_s"] > 0 for r in encoding)
+    assert all(r["step_s"] > 0 and r["at"] > 0 for r in lines)
+    assert {"predicted_s", "target_s", "encoder_grant", "item_overhead", "forward_s"} <= set(
+        lines[0]
+    )
