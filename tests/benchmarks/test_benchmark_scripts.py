@@ -206,3 +206,20 @@ def test_default_cost_script(tiny_qwen2_vl, results):
     for workload in ("camera", "chat"):
         assert len(out[workload]["pairs_s"]) == 2
         assert out[workload]["default_per_unit"] > 0 and out[workload]["fixed_per_unit"] > 0
+
+
+def test_step_trace_summary_script(tmp_path, results):
+    trace = tmp_path / "steps.jsonl"
+    step = {"predicted_s": 0.03, "target_s": 0.03, "encoder_grant": 90.0, "item_overhead": 10.0}
+    lines = [
+        {**step, "at": 100.0 + 0.03 * i, "step_s": 0.03, "decodes": 4, "prefill_tokens": 0,
+         "encoder_units": 40.0, "encoder_items": 1, "encoder_s": 0.004, "forward_s": 0.025}
+        for i in range(50)
+    ]  # fmt: skip
+    trace.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    _run("benchmarks.step_trace_summary", str(trace), "--window", "1", "--out", "s.json",
+         results=results)  # fmt: skip
+    windows = json.loads((results / "s.json").read_text())["windows"]
+    assert sum(w["steps"] for w in windows) == 50
+    assert windows[0]["encoder_ms_per_unit"] == pytest.approx(0.1)
+    assert windows[0]["chat_step_ms_p50"] == pytest.approx(30.0)
