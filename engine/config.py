@@ -86,6 +86,8 @@ class EngineArgs:
         if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
             raise ValueError("min_pixels must be <= max_pixels")
         self.step_limits()  # validate early
+        if self.step_trace:
+            _check_writable_file("step_trace", self.step_trace)
 
     def model_path(self) -> Path:
         """The local checkpoint directory, fetched from the Hub first if ``model`` is a Hub id
@@ -111,6 +113,23 @@ class EngineArgs:
             max_step_s=_time_limit("max_step_ms", self.max_step_ms, self.time_sized),
             auto_itl_factor=self.auto_itl_factor,
         )
+
+
+def _check_writable_file(name: str, path: str) -> None:
+    """Refuse at start-up a file the engine could not append to later (an existing folder,
+    or a folder chain without write permission), without creating anything yet."""
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise ValueError(f"{name} {path!r} is a folder; give a file path")
+    if target.exists():
+        if not os.access(target, os.W_OK):
+            raise ValueError(f"{name} {path!r} is not writable")
+        return
+    parent = target.parent
+    while not parent.exists():  # the missing folders will be made: the first existing decides
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{name} {path!r}: cannot create it under {str(parent)!r}")
 
 
 # tokens per step when steps are sized by time: a bound on activation memory, not the budget

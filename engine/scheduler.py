@@ -87,7 +87,7 @@ class SchedulerOutput:
     expired: list[Request] = field(default_factory=list)
     features: StepFeatures = field(default_factory=StepFeatures)  # what the cost model sees
     predicted_s: float | None = None  # the cost model's estimate when a target was applied
-    target_s: float | None = None  # the ITL target this step was sized for (None: full budget)
+    target_s: float | None = None  # the time limit this step was sized for (None: tokens only)
 
     @property
     def num_decode_tokens(self) -> int:

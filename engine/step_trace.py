@@ -8,7 +8,8 @@ chat ran one 16-row vision piece whose wall time was twice its CPU time. Off by 
 per step is ~40 per second).
 
 Fields (seconds unless named otherwise): ``at`` wall clock, ``step_s`` measured, ``predicted_s``
-and ``target_s`` (the ITL target, when one applied) from the budget, ``decodes`` /
+and ``target_s`` (the step's time limit: the ITL target beside chat, else the step bound; None
+under a plain token budget) from the budget, ``decodes`` /
 ``prefill_tokens``, ``encoder_grant`` (units granted), ``encoder_units`` / ``encoder_items`` /
 ``encoder_s`` (what ran and its own time), ``item_overhead`` (units charged per item),
 ``forward_s`` (the language model's forward and sampling).
@@ -16,19 +17,30 @@ and ``target_s`` (the ITL target, when one applied) from the budget, ``decodes``
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import time
 from pathlib import Path
 from typing import TextIO
+
+log = logging.getLogger("engine")
+
+
+class StepTraceError(ValueError):
+    """The trace file cannot be opened (start-up refuses with this one line)."""
 
 
 class StepTrace:
     """Appends step records to a file; flushed every ``flush_every`` records and on close."""
 
     def __init__(self, path: str | Path, flush_every: int = 64) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: TextIO | None = self.path.open("a", encoding="utf-8")
+        self.path = Path(path).expanduser()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file: TextIO | None = self.path.open("a", encoding="utf-8")
+        except OSError as exc:
+            raise StepTraceError(f"--step-trace {str(path)!r}: {exc.strerror or exc}") from None
         self.flush_every = flush_every
         self._pending = 0
 
@@ -51,13 +63,19 @@ class StepTrace:
             "encoder_s": result.encoder_work_s if result else 0.0,
             "forward_s": result.forward_s if result else 0.0,
         }
-        self._file.write(json.dumps(line) + "\n")
-        self._pending += 1
-        if self._pending >= self.flush_every:
-            self._file.flush()
-            self._pending = 0
+        try:
+            self._file.write(json.dumps(line) + "\n")
+            self._pending += 1
+            if self._pending >= self.flush_every:
+                self._file.flush()
+                self._pending = 0
+        except OSError as exc:  # a full disk ends the trace, never the engine
+            log.warning("step trace %s stopped: %s", self.path, exc)
+            self.close()
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        file, self._file = self._file, None
+        if file is not None:
+            # a buffer that cannot be flushed (full disk) was reported by record(), or is moot
+            with contextlib.suppress(OSError):
+                file.close()

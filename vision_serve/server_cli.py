@@ -130,6 +130,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from engine.config import engine_args_from_namespace
     from engine.generation_config import GenerationConfigError
     from engine.model_source import ModelSourceError
+    from engine.step_trace import StepTraceError
     from vision_serve.app import create_app
 
     settings = settings_from_namespace(args)
@@ -137,13 +138,17 @@ def run_serve(args: argparse.Namespace) -> int:
     if not args.model:
         logger.error("--model (or VISION_SERVE_MODEL) is required")
         return 2
-    engine_args = engine_args_from_namespace(args)
+    try:
+        engine_args = engine_args_from_namespace(args)
+    except ValueError as exc:  # a flag's value: one clear line, not a traceback
+        logger.error("%s", exc)
+        return 2
     logger.info("loading model %s (pid %d) ...", engine_args.model, os.getpid())
     t0 = time.monotonic()
     try:
         # a Hub id is fetched here; what cannot be had is one clear line, not a traceback
         engine = AsyncEngine(engine_args)
-    except ModelSourceError as exc:
+    except (ModelSourceError, StepTraceError) as exc:
         logger.error("%s", exc)
         return 2
     logger.info(

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
 
 from engine import EngineArgs, SamplingParams
 from engine.config import add_engine_cli_args, engine_args_from_namespace
 from engine.llm_engine import LLMEngine
+from engine.step_trace import StepTrace, StepTraceError
 from tests.engine.helpers import image_conv, noise_image, text_conv
 
 
@@ -42,3 +48,52 @@ def test_every_step_is_traced_with_its_encoder_work(tiny_qwen2_vl, tmp_path):
     assert {"predicted_s", "target_s", "encoder_grant", "item_overhead", "forward_s"} <= set(
         lines[0]
     )
+
+
+def test_a_trace_path_the_engine_cannot_write_is_refused_at_start_up(tmp_path):
+    with pytest.raises(ValueError, match="is a folder"):
+        EngineArgs(model="m", step_trace=str(tmp_path))
+    EngineArgs(model="m", step_trace=str(tmp_path / "a" / "b" / "steps.jsonl"))  # made later
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(StepTraceError, match="step-trace"):
+        StepTrace(blocker / "steps.jsonl")  # a file where a folder must be
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-step-ms", "soon"], "max_step_ms must be a number"),
+        (["--step-trace", "."], "is a folder"),
+    ],
+)
+def test_serve_with_a_bad_flag_value_exits_with_one_clear_line(tiny_qwen2_vl, flags, message):
+    proc = subprocess.run(
+        [sys.executable, "-m", "vision_serve.cli", "serve", "--model", str(tiny_qwen2_vl),
+         "--port", "0", *flags],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_trace_that_cannot_be_written_ends_itself_not_the_engine(tmp_path, caplog):
+    trace = StepTrace(tmp_path / "steps.jsonl", flush_every=1)
+
+    class FullDisk:
+        def write(self, _):
+            raise OSError(28, "No space left on device")
+
+        def close(self):
+            raise OSError(28, "No space left on device")
+
+    trace._file.close()
+    trace._file = FullDisk()
+    sched = SimpleNamespace(
+        predicted_s=None, target_s=None, num_decode_tokens=1, num_prefill_tokens=0,
+        encoder_work={}, encoder_item_overhead=0.0,
+    )  # fmt: skip
+    trace.record(sched, None, 0.01)  # logs and stops: no exception into the step loop
+    trace.record(sched, None, 0.01)
+    trace.close()
+    assert "No space left" in caplog.text
