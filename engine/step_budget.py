@@ -9,7 +9,7 @@ A step is sized two ways at once:
   or waiting), so chat streams keep their inter-token latency beside camera work, and
   ``max_step_s`` always, so an interactive request that arrives while only camera work runs
   waits at most one short step (and a chat's prompt beside other chats' decodes runs in
-  steps no longer than that).
+  steps no longer than that, nor than 3x their decode step).
 
 ``StepLimits`` is the policy, resolved once at engine start; :class:`StepBudget` is one step's
 account, with a few verbs the scheduler calls in its own order (decodes, then prompt chunks
@@ -43,6 +43,9 @@ class StepLimits:
     max_step_s: float | str | None = None
     auto_itl_factor: float = 1.25
     auto_step_factor: float = 4.0
+    # a chat prompt beside chat decodes: at most this x their decode step (DESIGN.md calls an
+    # ITL over 5x the decode step a stall; the step bound's 50 ms floor alone could exceed it)
+    chat_prompt_factor: float = 3.0
     # floor of an "auto" step bound: below it per-step overhead dominates even on a GPU
     min_auto_step_s: float = 0.05
 
@@ -97,18 +100,21 @@ class StepBudget:
         (``benchmarks.default_cost``), every TTFT but the first seconds long. Under the step
         bound a waiting chat's prompt takes the fused kernel's spare rows (or a bigger chunk,
         where that costs less per token): the running streams' ITL stretches for a step or
-        two, never past the bound. Without a step bound (``--max-step-ms off``) interactive
-        prompts keep the ITL target, as no other limit would hold them."""
+        two, never past the bound nor past ``chat_prompt_factor`` x their decode step (under
+        the stall line whatever the bound's floor). Without a step bound (``--max-step-ms
+        off``) interactive prompts keep the ITL target, as no other limit would hold them."""
         if not self.cost_model.ready:
             return
         self.itl_target_s = self._resolve(
             self.limits.target_itl_s, self.limits.auto_itl_factor, floor=0.0
         )
         bound = self.step_bound_s()
-        if bound is not None:
-            self.limit_s = bound
-        else:
+        if bound is None:
             self.limit_s = self.itl_target_s if interactive_decoding else None
+        elif interactive_decoding:
+            self.limit_s = min(bound, self._resolve(AUTO, self.limits.chat_prompt_factor, 0.0))
+        else:
+            self.limit_s = bound
 
     def step_bound_s(self) -> float | None:
         """The bound on any step's predicted time, "auto" resolved against this step."""
