@@ -359,6 +359,8 @@ def log_step_policy(scheduler: Scheduler, args: EngineArgs) -> None:
     decode_s = budget.predicted_s
     eager_s = scheduler.cost_model.predict(dataclasses.replace(budget.features, force_eager=True))
     budget.open_prefill(interactive_decoding=True)
+    chat_prompt = budget.fit_chunk(CONTEXT, cfg.max_num_batched_tokens)
+    budget.restrict_to_itl()  # what a camera prompt gets beside the same stream
     beside_chat = budget.fit_chunk(CONTEXT, cfg.max_num_batched_tokens)
     batch_only = scheduler.new_budget()
     batch_only.open_prefill(interactive_decoding=False)
@@ -366,10 +368,10 @@ def log_step_policy(scheduler: Scheduler, args: EngineArgs) -> None:
     log.info(
         "step_policy mode=time-sized token_cap=%d itl_target=%s (%s ms with one chat stream) "
         "max_step=%s (%s ms) decode_step=%.1f ms (eager forward %.1f ms; fused kernel rows: "
-        "%d decode-only, %d with prompt tokens) prefill=%.2f ms/token => ~%d prompt tokens "
-        "beside one chat stream, up to ~%d per batch-only step; why: an arriving chat request "
-        "waits at most one step, and chat streams keep their ITL while camera work fills what "
-        "they leave",
+        "%d decode-only, %d with prompt tokens) prefill=%.2f ms/token => ~%d camera prompt "
+        "tokens beside one chat stream (another chat's prompt ~%d), up to ~%d per batch-only "
+        "step; why: an arriving chat request waits at most one step, and chat streams keep "
+        "their ITL while camera work fills what they leave",
         cfg.max_num_batched_tokens,
         "off" if limits.target_itl_s is None else limits.target_itl_s,
         "-" if budget.itl_target_s is None else f"{budget.itl_target_s * 1e3:.1f}",
@@ -381,5 +383,6 @@ def log_step_policy(scheduler: Scheduler, args: EngineArgs) -> None:
         cfg.fused_prefill_rows,
         scheduler.cost_model.compute_bound_prefill_s() * 1e3,
         beside_chat,
+        chat_prompt,
         batch_only.fit_chunk(0, cfg.max_num_batched_tokens),
     )

@@ -227,6 +227,7 @@ def test_startup_log_states_the_step_policy(tiny_qwen2_vl, caplog):
     assert len(lines) == 2
     assert "mode=time-sized" in lines[0] and "max_step=auto (" in lines[0]
     assert "itl_target=auto (" in lines[0] and "ms/token" in lines[0]
+    assert "camera prompt tokens beside one chat stream (another chat's prompt" in lines[0]
     assert "mode=fixed-tokens max_num_batched_tokens=256" in lines[1]
 
 
