@@ -24,14 +24,8 @@ import argparse
 import statistics
 import time
 
-from benchmarks.common import (
-    bench_checkpoint,
-    camera_frame,
-    checkpoint_args,
-    log,
-    save_json,
-    setup_env,
-)
+from benchmarks.common import bench_checkpoint, checkpoint_args, log, save_json, setup_env
+from benchmarks.encoder_beside_chat import frame_request
 
 FIXED_BUDGET = 2048
 
@@ -53,16 +47,8 @@ def camera_requests(args, run: int) -> list[tuple[str, dict, object, str]]:
     width, height = (int(v) for v in args.image_size.split("x"))
     params = SamplingParams(temperature=0, max_tokens=args.camera_tokens, ignore_eos=True)
     return [
-        (
-            f"frame-{run}-{k}",
-            {
-                "prompt": "<|vision_start|><|image_pad|><|vision_end|>Camera: who is in view?",
-                # a fresh frame each time: no encoder or prefix cache hit across runs
-                "multi_modal_data": {"image": camera_frame(width, height, seed=1000 * run + k)},
-            },
-            params,
-            "batch",
-        )
+        # a fresh frame each time: no encoder or prefix cache hit across runs
+        (f"frame-{run}-{k}", frame_request(width, height, seed=1000 * run + k), params, "batch")
         for k in range(args.frames)
     ]
 
