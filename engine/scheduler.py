@@ -88,6 +88,9 @@ class SchedulerOutput:
     features: StepFeatures = field(default_factory=StepFeatures)  # what the cost model sees
     predicted_s: float | None = None  # the cost model's estimate when a target was applied
     target_s: float | None = None  # the time limit this step was sized for (None: tokens only)
+    # interactive streams decode in this step: the server streams their tokens between steps
+    # (the runner then leaves a CPU core to that front end while it encodes images)
+    interactive_decodes: bool = False
 
     @property
     def num_decode_tokens(self) -> int:
@@ -271,6 +274,7 @@ class Scheduler:
             prefill_tokens += n
         out.features = budget.features
         out.target_s = budget.limit_s
+        out.interactive_decodes = interactive_decoding
         if budget.limit_s is not None:
             out.predicted_s = budget.predicted_s
             out.encoder_item_overhead = budget.encoder_item_overhead()

@@ -127,13 +127,16 @@ def test_interactive_first_script(tiny_qwen2_vl, results):
         "--model", str(tiny_qwen2_vl), "--dtype", "float32", "--frames", "2",
         "--chat-requests", "2", "--chat-tokens", "3", "--chat-gap-s", "0.05",
         "--frames-head-start-s", "0", "--num-chat", "1", "--chat-stream-tokens", "4",
-        "--camera-tokens", "2", "--image-size", "112x112", "--warmup-s", "0", "--out", "i.json",
+        "--camera-tokens", "2", "--image-size", "112x112", "--warmup-s", "0",
+        "--chat-alone-s", "0.5", "--out", "i.json",
         results=results,
     )  # fmt: skip
     data = json.loads((results / "i.json").read_text())
     assert len(data["ttft_with_frames"]["ttft_s"]) == 2 and data["ttft_ratio"] > 0
     assert data["frames_alone"]["frames_per_min"] > 0
     assert data["frames_under_chat"]["frames_per_min"] > 0
+    # the ideal share's reference: streams alone before and after the frames phase
+    assert data["chat_alone"]["tokens"] > 0 and data["chat_alone_after"]["tokens"] > 0
 
 
 @pytest.mark.slow

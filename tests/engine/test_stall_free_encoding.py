@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from engine import LLM, SamplingParams
+from engine.models.vision_encoder import VisionEncodeJob
 from tests.engine.helpers import image_conv, noise_image, text_conv
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -59,3 +62,53 @@ def test_decode_steps_carry_no_more_encoder_work_than_the_budget(tiny_qwen2_vl):
         result = eng.runner.execute(out)
         sched_.update_from_output(out, result.sampled, result.encoder_progress)
     assert steps_with_encoder_work > 1, "the frame's encoding was spread over several steps"
+
+
+def test_encoder_work_beside_chat_decodes_leaves_a_core_to_the_front_end(
+    tiny_qwen2_vl, monkeypatch
+):
+    """Between steps the server streams the chat tokens while the next step's encoder piece
+    runs: that piece gets one thread fewer, so no thread of its parallel region waits on a core
+    the front end holds. Steps without interactive decodes encode on every thread."""
+    threads_before = torch.get_num_threads()
+    try:
+        llm = LLM(
+            str(tiny_qwen2_vl),
+            dtype="float32",
+            max_num_batched_tokens=24,
+            encoder_rows_per_item=8,
+            num_threads=2,
+        )
+        eng = llm.engine
+        step = {"interactive": False}
+        seen: list[tuple[bool, int]] = []  # (interactive decodes in the step, threads)
+        advance, execute = VisionEncodeJob.advance, eng.runner.execute
+
+        def advance_watched(job, *args, **kwargs):
+            seen.append((step["interactive"], torch.get_num_threads()))
+            return advance(job, *args, **kwargs)
+
+        def execute_watched(sched):
+            step["interactive"] = sched.interactive_decodes
+            return execute(sched)
+
+        monkeypatch.setattr(VisionEncodeJob, "advance", advance_watched)
+        monkeypatch.setattr(eng.runner, "execute", execute_watched)
+
+        eng.add_request("alone", _frame(), GREEDY, priority="batch")
+        while eng.has_unfinished():
+            eng.step()
+        eng.add_request("chat", text_conv("hello"), SamplingParams(max_tokens=200, ignore_eos=True))
+        while not eng.scheduler.requests["chat"].output_token_ids:
+            eng.step()
+        frame = image_conv("Who is in the frame?", noise_image(224, 224, seed=405))
+        eng.add_request("beside", frame, GREEDY, priority="batch")
+        while "beside" in eng.scheduler.requests:
+            eng.step()
+
+        assert (False, 2) in seen, "a frame alone encodes on every thread"
+        assert (True, 1) in seen, "a frame beside chat decodes encodes on one thread fewer"
+        assert all(threads == (1 if beside else 2) for beside, threads in seen), seen
+        assert torch.get_num_threads() == 2, "the decoder forward keeps every thread"
+    finally:
+        torch.set_num_threads(threads_before)
