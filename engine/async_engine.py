@@ -86,6 +86,8 @@ class RequestStream:
 class AsyncEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.engine = LLMEngine(args)
+        # this engine's callers stream chat tokens on the event loop between steps
+        self.engine.runner.leave_a_core_to_the_front_end()
         self.args = args
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len

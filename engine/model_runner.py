@@ -26,8 +26,9 @@ log = logging.getLogger("engine.runner")
 
 
 def encoder_threads_beside_chat(device: torch.device) -> int | None:
-    """Threads for vision work in a step beside interactive decodes: one fewer than the
-    engine's (None: leave them be, on a GPU or with one thread).
+    """Threads for vision work in a step beside interactive decodes when a server streams
+    the tokens: one fewer than the engine's (None: leave them be, on a GPU or with one
+    thread). The offline ``LLM`` has no front end and keeps every thread.
 
     Why: between steps the server streams the chat tokens just sampled (the event loop, and on
     an edge box often the client too), and it does so while the next step's encoder piece
@@ -74,7 +75,8 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.encoder_rows_per_item = encoder_rows_per_item
-        self.encoder_threads_beside_chat = encoder_threads_beside_chat(device)
+        # set by leave_a_core_to_the_front_end (the server's AsyncEngine); None: every thread
+        self.encoder_threads_beside_chat: int | None = None
         self.encode_jobs: dict[str, object] = {}  # content hash -> VisionEncodeJob in progress
         self._step_logprobs: dict[str, TokenLogprob] = {}  # filled by _sample, one step's
         self.block_size = block_size
@@ -237,6 +239,11 @@ class ModelRunner:
             else:
                 progress[h] = job.remaining_cost
         return spent, items, work_s, progress
+
+    def leave_a_core_to_the_front_end(self) -> None:
+        """A server streams interactive tokens between steps: vision work beside them runs
+        on one thread fewer from now on (:func:`encoder_threads_beside_chat`)."""
+        self.encoder_threads_beside_chat = encoder_threads_beside_chat(self.device)
 
     @contextlib.contextmanager
     def _encoder_threads(self, sched: SchedulerOutput) -> Iterator[None]:

@@ -69,7 +69,8 @@ def test_encoder_work_beside_chat_decodes_leaves_a_core_to_the_front_end(
 ):
     """Between steps the server streams the chat tokens while the next step's encoder piece
     runs: that piece gets one thread fewer, so no thread of its parallel region waits on a core
-    the front end holds. Steps without interactive decodes encode on every thread."""
+    the front end holds. Steps without interactive decodes encode on every thread, and so does
+    the offline engine, which has no front end."""
     threads_before = torch.get_num_threads()
     try:
         llm = LLM(
@@ -80,6 +81,8 @@ def test_encoder_work_beside_chat_decodes_leaves_a_core_to_the_front_end(
             num_threads=2,
         )
         eng = llm.engine
+        assert eng.runner.encoder_threads_beside_chat is None, "offline: no front end"
+        eng.runner.leave_a_core_to_the_front_end()  # what the server's AsyncEngine does
         step = {"interactive": False}
         seen: list[tuple[bool, int]] = []  # (interactive decodes in the step, threads)
         advance, execute = VisionEncodeJob.advance, eng.runner.execute
