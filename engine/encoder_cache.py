@@ -24,6 +24,8 @@ class EncoderCacheManager:
         self.misses = 0
         # hash -> work left (patch-block units) while encoding; None: started, size unknown yet
         self.remaining: dict[str, float | None] = {}
+        # half-done encodings no request waits for any more: the runner drops their jobs
+        self._abandoned: list[str] = []
 
     def contains(self, content_hash: str) -> bool:
         return content_hash in self.sizes
@@ -74,14 +76,34 @@ class EncoderCacheManager:
         self.used += num_tokens
         return True, evicted
 
-    def release_request(self, request_id: str, hashes: list[str]) -> None:
+    def release_request(
+        self, request_id: str, hashes: list[str], keep_encoding: bool = False
+    ) -> None:
+        """Unpin a request's images. An encoding still in progress that no other request
+        waits for is dropped (see :meth:`take_abandoned`) unless ``keep_encoding`` (a preempted
+        request comes back for it): a half-done job holds the tower's per-patch state, tens of
+        times its finished embeddings (a 640x480 frame through a 1,280-wide tower: ~150-200 MB
+        against ~4 MB), and camera frames that expire or are aborted mid-encoding would
+        otherwise keep theirs until the cache's token count pushed them out."""
         for h in hashes:
             users = self.refs.get(h)
             if users is None:
                 continue
             users.discard(request_id)
-            if not users:
+            if users:
+                continue
+            if h in self.remaining and not keep_encoding:
+                self.used -= self.sizes.pop(h)
+                self.refs.pop(h)
+                self.remaining.pop(h)
+                self._abandoned.append(h)
+            else:
                 self.unreferenced[h] = None
+
+    def take_abandoned(self) -> list[str]:
+        """Encodings dropped since the last call, for the runner to free."""
+        abandoned, self._abandoned = self._abandoned, []
+        return abandoned
 
     def pinned_by(self, content_hash: str, request_id: str) -> bool:
         return request_id in self.refs.get(content_hash, ())

@@ -246,6 +246,8 @@ class LLMEngine:
         req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         if req is None:
             return None
+        # its half-done image encodings go now, not at the next step (an idle engine has none)
+        self.runner.drop_encodings(self.scheduler.encoder_cache.take_abandoned())
         return self._make_output(req, [], finished=True)
 
     def has_unfinished(self) -> bool:
@@ -257,6 +259,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self.last_step_idle = sched.is_empty and not sched.expired
         result = self.runner.execute(sched) if not sched.is_empty else None
+        if result is None:  # nothing to run, but expired requests may have left encodings
+            self.runner.drop_encodings(sched.evicted_encoder_hashes)
         progressed, finished = self.scheduler.update_from_output(
             sched,
             result.sampled if result else {},

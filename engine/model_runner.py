@@ -188,10 +188,14 @@ class ModelRunner:
         with attention_backends(self.device):
             return self._execute(sched)
 
-    def _execute(self, sched: SchedulerOutput) -> StepResult:
-        for h in sched.evicted_encoder_hashes:
+    def drop_encodings(self, hashes: list[str]) -> None:
+        """Free the embeddings and half-done jobs of images the encoder cache let go."""
+        for h in hashes:
             self.encoder_outputs.pop(h, None)
             self.encode_jobs.pop(h, None)
+
+    def _execute(self, sched: SchedulerOutput) -> StepResult:
+        self.drop_encodings(sched.evicted_encoder_hashes)
         t0 = time.perf_counter()
         units, items, work_s, progress = self._encode(sched)
         t1 = time.perf_counter()

@@ -190,10 +190,10 @@ class Scheduler:
         req.metrics.finished_time = self.clock()
         return req
 
-    def _free(self, req: Request) -> None:
+    def _free(self, req: Request, keep_encodings: bool = False) -> None:
         self.kv.free(req.request_id)
         self.encoder_cache.release_request(
-            req.request_id, [im.content_hash for im in req.prompt.images]
+            req.request_id, [im.content_hash for im in req.prompt.images], keep_encodings
         )
 
     # ---- the policy -----------------------------------------------------------------------
@@ -272,6 +272,9 @@ class Scheduler:
             scheduled.add(req.request_id)
             prefill_scheduled = True
             prefill_tokens += n
+        # jobs of encodings that expired or aborted requests left half done: dropped before
+        # this step's new jobs start (one may be the same image, encoded afresh)
+        out.evicted_encoder_hashes.extend(self.encoder_cache.take_abandoned())
         out.features = budget.features
         out.target_s = budget.limit_s
         out.interactive_decodes = interactive_decoding
@@ -400,7 +403,7 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Recompute-style preemption: drop the KV, keep the generated tokens, requeue first."""
         self.running.remove(req)
-        self._free(req)
+        self._free(req, keep_encodings=True)  # requeued first: it will want its images
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.metrics.num_preemptions += 1
