@@ -248,6 +248,7 @@ class LLMEngine:
             return None
         # its half-done image encodings go now, not at the next step (an idle engine has none)
         self.runner.drop_encodings(self.scheduler.encoder_cache.take_abandoned())
+        self.runner.forget_requests([request_id])
         return self._make_output(req, [], finished=True)
 
     def has_unfinished(self) -> bool:

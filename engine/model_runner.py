@@ -7,6 +7,7 @@ It never looks at scheduler state; everything it needs arrives in the scheduler 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Iterator
@@ -104,6 +105,11 @@ class ModelRunner:
         )
         self.fused_decode_steps = 0
         self.fused_prefill_steps = 0  # steps with prompt tokens run by the fused kernel
+        # a key per prompt mid-prefill, under which the fused kernel keeps the prompt's packed
+        # keys and values from one chunk to the next (FusedDecoder.forward's context_keys); a
+        # recomputed prompt (preemption) gets a new one
+        self._prompt_keys: dict[str, int] = {}
+        self._next_prompt_key = itertools.count(1)
         self._bitmask: BitmaskApplier | None = None  # built on the first constrained row
 
     # decode-only steps of up to this many rows run the fused kernel: its dot-product GEMV up
@@ -194,8 +200,17 @@ class ModelRunner:
             self.encoder_outputs.pop(h, None)
             self.encode_jobs.pop(h, None)
 
+    def forget_requests(self, request_ids: list[str]) -> None:
+        """Requests whose prefill ended or will not go on as it was (aborted, preempted): the
+        fused kernel lets their kept packing go."""
+        for rid in request_ids:
+            key = self._prompt_keys.pop(rid, None)
+            if key is not None and self.fused_decoder is not None:
+                self.fused_decoder.forget_context(key)
+
     def _execute(self, sched: SchedulerOutput) -> StepResult:
         self.drop_encodings(sched.evicted_encoder_hashes)
+        self.forget_requests(sched.preempted_ids)
         t0 = time.perf_counter()
         units, items, work_s, progress = self._encode(sched)
         t1 = time.perf_counter()
@@ -203,6 +218,9 @@ class ModelRunner:
         self._step_logprobs = {}
         if sched.chunks:
             sampled = self._forward_and_sample(sched)
+            self.forget_requests(
+                [c.request_id for c in sched.chunks if c.sample and not c.is_decode]
+            )
         t2 = time.perf_counter()
         return StepResult(
             sampled,
@@ -330,8 +348,19 @@ class ModelRunner:
             lengths,
             self.block_size,
             torch.tensor(rows, dtype=torch.long),
+            self._context_keys(chunks),
         )
         return logits, sampled_chunks
+
+    def _context_keys(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Per row: its prompt's key, 0 for decodes."""
+        keys = []
+        for c in chunks:
+            key = 0
+            if not c.is_decode:
+                key = self._prompt_keys.setdefault(c.request_id, next(self._next_prompt_key))
+            keys.extend([key] * c.num_tokens)
+        return torch.tensor(keys, dtype=torch.long)
 
     def _fused_decode_applies(self, chunks: list[ScheduledChunk]) -> bool:
         return (

@@ -13,6 +13,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include "isa.h"
+#include "chunk_attention.h"
 
 #include <algorithm>
 #include <cmath>
@@ -61,7 +62,8 @@ struct Problem {
   bool fp32_io;
   const uint32_t* kpk;
   const uint32_t* vpk;
-  int64_t n, m, Hq, G, offset, m_pad;
+  int64_t n, m, Hq, G, offset;
+  int64_t m_pad;  // tokens a head has room for in kpk / vpk: >= m, a multiple of kTile
   float scale;
   bool causal;
 };
@@ -346,19 +348,22 @@ void attend_any(const Problem& problem, int64_t D) {
 }  // namespace
 
 // Keys and values of m tokens repacked for the kernel (token j's [Hk, D] slices at k_of(j),
-// v_of(j), of type T): keys as [Hk][m_pad/16][D/2][16 keys] pairs (k[j, 2p], k[j, 2p+1]),
-// values as [Hk][m_pad/2][D] pairs (v[2i, d], v[2i+1, d]), so one 64-byte load feeds one
-// vdpbf16ps; emulated, widened to fp32 once here (see widen_keys_values). Packing costs about
-// one pass over k and v; a caller attending many query blocks to the same keys packs once.
+// v_of(j), of type T): keys as [Hk][stride/16][D/2][16 keys] pairs (k[j, 2p], k[j, 2p+1]),
+// values as [Hk][stride/2][D] pairs (v[2i, d], v[2i+1, d]), so one 64-byte load feeds one
+// vdpbf16ps; emulated, widened to fp32 once here (see widen_keys_values). Only the 16-key
+// groups [g0, g1) are written (keys past m as zeros); ``stride`` is the tokens a head has room
+// for. Packing costs about one pass over k and v; a caller attending many query blocks to the
+// same keys packs once.
 template <typename T, typename KOf, typename VOf>
-void pack_rows(KOf k_of, VOf v_of, int64_t m, int64_t Hk, int64_t D, int64_t m_pad, uint32_t* kpk,
-               uint32_t* vpk) {
-  const int64_t dp_count = D / 2;
-  at::parallel_for(0, Hk * (m_pad / 16), 16, [&](int64_t t0, int64_t t1) {
+void pack_groups(KOf k_of, VOf v_of, int64_t m, int64_t Hk, int64_t D, int64_t stride, int64_t g0,
+                 int64_t g1, uint32_t* kpk, uint32_t* vpk) {
+  const int64_t dp_count = D / 2, groups = g1 - g0;
+  if (groups <= 0) return;
+  at::parallel_for(0, Hk * groups, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t h = t / (m_pad / 16), j0 = (t % (m_pad / 16)) * 16;
-      uint32_t* dst = kpk + t * dp_count * 16 * kWords;
-      uint32_t* vdst = vpk + (h * (m_pad / 2) + j0 / 2) * D * kWords;
+      const int64_t h = t / groups, g = g0 + t % groups, j0 = g * 16;
+      uint32_t* dst = kpk + (h * (stride / 16) + g) * dp_count * 16 * kWords;
+      uint32_t* vdst = vpk + (h * (stride / 2) + j0 / 2) * D * kWords;
 #ifdef VS_BF16_DOT
       const bf16 zero(0.f);
       for (int64_t lane = 0; lane < 16; ++lane) {
@@ -379,6 +384,35 @@ void pack_rows(KOf k_of, VOf v_of, int64_t m, int64_t Hk, int64_t D, int64_t m_p
 #endif
     }
   });
+}
+
+template <typename T, typename KOf, typename VOf>
+void pack_rows(KOf k_of, VOf v_of, int64_t m, int64_t Hk, int64_t D, int64_t m_pad, uint32_t* kpk,
+               uint32_t* vpk) {
+  pack_groups<T>(k_of, v_of, m, Hk, D, m_pad, 0, m_pad / 16, kpk, vpk);
+}
+
+// Room for ``capacity`` tokens in ``keep``, the packing of its first ``reuse`` tokens carried
+// over head by head
+void grow_packed_keys(PackedKeys& keep, int64_t capacity, int64_t reuse, int64_t Hk, int64_t D) {
+  const int64_t group_words = D / 2 * 16 * kWords, pair_words = D * kWords;
+  auto opts = at::TensorOptions().dtype(at::kInt);
+  at::Tensor keys = at::empty({Hk * capacity / 16 * group_words}, opts);
+  at::Tensor values = at::empty({Hk * capacity / 2 * pair_words}, opts);
+  if (reuse > 0) {
+    const int32_t* ok = keep.keys.data_ptr<int32_t>();
+    const int32_t* ov = keep.values.data_ptr<int32_t>();
+    for (int64_t h = 0; h < Hk; ++h) {
+      std::memcpy(keys.data_ptr<int32_t>() + h * (capacity / 16) * group_words,
+                  ok + h * (keep.capacity / 16) * group_words, reuse / 16 * group_words * 4);
+      std::memcpy(values.data_ptr<int32_t>() + h * (capacity / 2) * pair_words,
+                  ov + h * (keep.capacity / 2) * pair_words, reuse / 2 * pair_words * 4);
+    }
+  }
+  keep.keys = keys;
+  keep.values = values;
+  keep.capacity = capacity;
+  keep.valid = reuse;
 }
 
 // The packed keys and values of k, v [m, Hk, D]: the flash kernel's layout (see pack_rows).
@@ -454,30 +488,50 @@ at::Tensor attend_packed(const at::Tensor& q_in, const std::vector<at::Tensor>& 
   return out;
 }
 
-// Causal attention of one prompt chunk's n query rows (tokens m - n .. m - 1 of a sequence) to
-// that sequence's keys and values in the paged cache (caches [slots, Hk, D], token j at
-// slots[j]); q rows of Hq heads x D at stride q_stride, out rows likewise at out_stride.
-// Why: the fused step's per-row decode attention reads a row's whole context once per row, so
-// 16 rows of a chunk at 1,200 tokens of context spent 2.2 ms a layer there; packed once and
-// attended as a block, 1.0 ms (pack 0.27, attend 0.76; AVX2, 12 heads of 64, 4 KV heads).
+int64_t packed_keys_bytes(int64_t tokens, int64_t Hk, int64_t D) {
+  const int64_t cap = (tokens + kTile - 1) / kTile * kTile;
+  return 2 * Hk * cap * D * kWords * 4;
+}
+
+// See chunk_attention.h. Why a block: the fused step's per-row decode attention reads a row's
+// whole context once per row, so 16 rows of a chunk at 1,200 tokens of context spent 2.2 ms a
+// layer there; packed once and attended as a block, 1.0 ms (pack 0.27, attend 0.76; AVX2, 12
+// heads of 64, 4 KV heads), and with the packing kept between steps, ~0.8.
 void attend_cached_chunk(const bf16* q, int64_t q_stride, bf16* out, int64_t out_stride, int64_t n,
                          int64_t Hq, const bf16* kc, const bf16* vc, int64_t Hk, int64_t D,
-                         const int64_t* slots, int64_t m, float scale) {
+                         const int64_t* slots, int64_t m, float scale, PackedKeys* keep,
+                         int64_t reuse) {
   TORCH_CHECK(n >= 1 && m >= n && Hq % Hk == 0 && D % 16 == 0 && D <= 128, "chunk attention shapes");
   const int64_t m_pad = (m + kTile - 1) / kTile * kTile, dp_count = D / 2, row = Hk * D;
   auto opts = at::TensorOptions().dtype(at::kInt);
-  at::Tensor kpk_t = at::empty({Hk, m_pad / 16, dp_count, 16 * kWords}, opts);
-  at::Tensor vpk_t = at::empty({Hk, m_pad / 2, D * kWords}, opts);
+  at::Tensor kpk_t, vpk_t;
+  int64_t stride = m_pad, first_group = 0;
+  if (keep != nullptr) {
+    // whole 16-key groups of tokens before this chunk, packed by an earlier step
+    reuse = std::max<int64_t>(0, std::min({reuse, keep->valid, m - n})) / 16 * 16;
+    if (keep->capacity < m_pad) {
+      grow_packed_keys(*keep, std::max(m_pad, (keep->capacity * 2) / kTile * kTile), reuse, Hk, D);
+    }
+    kpk_t = keep->keys;
+    vpk_t = keep->values;
+    stride = keep->capacity;
+    first_group = reuse / 16;
+  } else {
+    kpk_t = at::empty({Hk, m_pad / 16, dp_count, 16 * kWords}, opts);
+    vpk_t = at::empty({Hk, m_pad / 2, D * kWords}, opts);
+  }
   uint32_t* kpk = reinterpret_cast<uint32_t*>(kpk_t.data_ptr<int32_t>());
   uint32_t* vpk = reinterpret_cast<uint32_t*>(vpk_t.data_ptr<int32_t>());
-  pack_rows<bf16>([&](int64_t j) { return kc + slots[j] * row; },
-                  [&](int64_t j) { return vc + slots[j] * row; }, m, Hk, D, m_pad, kpk, vpk);
+  pack_groups<bf16>([&](int64_t j) { return kc + slots[j] * row; },
+                    [&](int64_t j) { return vc + slots[j] * row; }, m, Hk, D, stride,
+                    first_group, m_pad / 16, kpk, vpk);
+  if (keep != nullptr) keep->valid = m / 16 * 16;  // every token up to m is final now
   const int64_t q_row = Hq * D;
   at::Tensor qc = at::empty({n, Hq, D}, opts.dtype(at::kBFloat16));
   at::Tensor oc = at::empty({n, Hq, D}, opts.dtype(at::kBFloat16));
   bf16* qd = qc.data_ptr<bf16>();
   for (int64_t r = 0; r < n; ++r) std::memcpy(qd + r * q_row, q + r * q_stride, q_row * sizeof(bf16));
-  const Problem problem{qd, oc.data_ptr(), false, kpk, vpk, n, m, Hq, Hq / Hk, m - n, m_pad,
+  const Problem problem{qd, oc.data_ptr(), false, kpk, vpk, n, m, Hq, Hq / Hk, m - n, stride,
                         scale, true};
   attend_any(problem, D);
   const bf16* od = oc.data_ptr<bf16>();

@@ -22,6 +22,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include "isa.h"
+#include "chunk_attention.h"
 
 #include <sys/mman.h>
 
@@ -31,13 +32,9 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <unordered_map>
 #include <vector>
 
-// cpu_attention.cpp: one prompt chunk's rows against its sequence's paged keys and values
-void attend_cached_chunk(const at::BFloat16* q, int64_t q_stride, at::BFloat16* out,
-                         int64_t out_stride, int64_t n, int64_t Hq, const at::BFloat16* kc,
-                         const at::BFloat16* vc, int64_t Hk, int64_t D, const int64_t* slots,
-                         int64_t m, float scale);
 
 namespace {
 
@@ -1079,6 +1076,10 @@ class FusedDecoder {
   // Most rows one forward takes: the row-major dot-product kernel holds at most kMaxGemvRows;
   // panels (emulated and AVX2 builds, int8) and oneDNN's packed GEMM take any number
   int64_t max_rows() const { return packed_ || panels_ ? kAnyRows : kMaxGemvRows; }
+  // prompts whose packed keys and values are kept between steps (tests read it)
+  int64_t kept_contexts() const { return static_cast<int64_t>(contexts_.size()); }
+  // a prompt's prefill ended or will start over: its kept packing goes
+  void forget_context(int64_t key) { contexts_.erase(key); }
   static constexpr int64_t kAnyRows = int64_t(1) << 20;
 
   // hidden: [B, H] input embeddings; cos, sin: [B, D]; block_tables: [B, max_blocks];
@@ -1087,9 +1088,15 @@ class FusedDecoder {
   // ``logit_rows``: the rows whose logits are wanted (a step's prompt rows other than a
   // chunk's last sample nothing), in the order returned; none: every row. At 16 prompt rows
   // the lm_head over all of them was a third of the step.
+  // ``context_keys`` ([B] int64, optional): per row, a key (> 0) naming its prompt across the
+  // steps that prefill it (0: none). A chunk with a key keeps its layers' packed keys and
+  // values for the next chunk of the same key (see PackedKeys) until forget_context(key). A key
+  // must name one sequence whose computed tokens keep their values: a caller starts a new key
+  // when it recomputes them.
   at::Tensor forward(const at::Tensor& embeds, const at::Tensor& cos, const at::Tensor& sin,
                      const at::Tensor& block_tables, const at::Tensor& context_lens,
-                     int64_t block_size, std::optional<at::Tensor> logit_rows) {
+                     int64_t block_size, std::optional<at::Tensor> logit_rows,
+                     std::optional<at::Tensor> context_keys) {
     const int M = static_cast<int>(embeds.size(0));
     TORCH_CHECK(M >= 1 && M <= max_rows(), "this build's weights take 1..", max_rows(),
                 " rows");
@@ -1122,12 +1129,22 @@ class FusedDecoder {
     // the attention's segments, and each chunk's context as cache slots (every layer's)
     const std::vector<AttentionSegment> segments = attention_segments(M, tab, max_blocks, len);
     std::vector<std::vector<int64_t>> chunk_slots(segments.size());
+    at::Tensor keys_t;
+    const int64_t* keys = nullptr;
+    if (context_keys.has_value()) {
+      keys_t = context_keys->to(at::kLong).contiguous();
+      TORCH_CHECK(keys_t.dim() == 1 && keys_t.size(0) == M, "context_keys: one per row");
+      keys = keys_t.data_ptr<int64_t>();
+    }
+    std::vector<ChunkContext*> chunk_kept(segments.size(), nullptr);
+    std::vector<int64_t> chunk_reuse(segments.size(), 0);
     for (size_t s = 0; s < segments.size(); ++s) {
       if (!segments[s].chunk) continue;
       const int64_t last = segments[s].m0 + segments[s].rows - 1, m = len[last];
       chunk_slots[s].resize(m);
       for (int64_t j = 0; j < m; ++j)
         chunk_slots[s][j] = tab[last * max_blocks + j / block_size] * block_size + j % block_size;
+      chunk_kept[s] = chunk_context(keys, last, chunk_slots[s], segments[s].rows, &chunk_reuse[s]);
     }
 
     auto norm_rows = [&](const bf16* weight) {
@@ -1146,7 +1163,8 @@ class FusedDecoder {
     at::Tensor act_t = at::empty({M, I}, opts);
     bf16* act = act_t.data_ptr<bf16>();
 
-    for (const LayerWeights& L : layers_) {
+    for (size_t li = 0; li < layers_.size(); ++li) {
+      const LayerWeights& L = layers_[li];
       norm_rows(L.ln1.data_ptr<bf16>());
       const bf16* bias = L.qkv_b.data_ptr<bf16>();
       linear(M, h_t, L.qkv_w, L.qkv_p, L.qkv_n, qkv_size_, [&](int64_t n0, int64_t n1, const float* acc) {
@@ -1165,7 +1183,8 @@ class FusedDecoder {
           attend_cached_chunk(qkv + g.m0 * qkv_size_, qkv_size_, attn + g.m0 * q_size, q_size,
                               g.rows, num_heads_, L.k_cache.data_ptr<bf16>(),
                               L.v_cache.data_ptr<bf16>(), num_kv_heads_, head_dim_,
-                              chunk_slots[s].data(), int64_t(chunk_slots[s].size()), scale);
+                              chunk_slots[s].data(), int64_t(chunk_slots[s].size()), scale,
+                              chunk_kept[s] ? &chunk_kept[s]->layers[li] : nullptr, chunk_reuse[s]);
         } else {
           paged_decode_attention(g.rows, qkv + g.m0 * qkv_size_, qkv_size_, attn + g.m0 * q_size,
                                  num_heads_, num_kv_heads_, head_dim_, L.k_cache.data_ptr<bf16>(),
@@ -1213,6 +1232,7 @@ class FusedDecoder {
       linear(M, act_t, L.down_w, L.down_p, L.down_n, H, add_to_residual);
     }
 
+    evict_contexts();
     norm_rows(final_norm_.data_ptr<bf16>());
     const int64_t V = lm_head_.size(0);
     at::Tensor head_in = h_t;
@@ -1368,6 +1388,57 @@ class FusedDecoder {
   bool panels_ = false;  // every matrix also as panels: steps of any row count
   int64_t num_heads_, num_kv_heads_, head_dim_, hidden_ = 0, qkv_size_ = 0, intermediate_ = 0;
   float eps_;
+
+  // Prompts being prefilled chunk by chunk: every layer's packed keys and values and the cache
+  // slots they were packed from, by the caller's key (see forward's ``context_keys``)
+  struct ChunkContext {
+    std::vector<PackedKeys> layers;
+    std::vector<int64_t> slots;
+    uint64_t last_use = 0;
+  };
+  // a handful of prompts at most are mid-prefill at once; past that the least recently used
+  // goes (an abandoned prompt's buffers must not stay forever), and none takes more than
+  // kMaxContextBytes (a longer prompt packs per step, as without a key)
+  static constexpr size_t kMaxContexts = 4;
+  static constexpr int64_t kMaxContextBytes = int64_t(512) << 20;
+  std::unordered_map<int64_t, ChunkContext> contexts_;
+  uint64_t steps_ = 0;
+
+  // The kept context of the chunk segment ending at row ``last`` (nullptr: pack per step),
+  // and how many of its tokens' packing still holds: those before the chunk whose slots did not
+  // move since they were packed
+  ChunkContext* chunk_context(const int64_t* keys, int64_t last, const std::vector<int64_t>& slots,
+                              int64_t chunk_rows, int64_t* reuse) {
+    *reuse = 0;
+    if (keys == nullptr || keys[last] <= 0) return nullptr;
+    const int64_t key = keys[last];
+    const int64_t m = static_cast<int64_t>(slots.size());
+    const int64_t bytes = int64_t(layers_.size()) * packed_keys_bytes(2 * m, num_kv_heads_, head_dim_);
+    if (bytes > kMaxContextBytes) {
+      contexts_.erase(key);
+      return nullptr;
+    }
+    ChunkContext& ctx = contexts_[key];
+    if (ctx.layers.size() != layers_.size()) ctx.layers.assign(layers_.size(), PackedKeys{});
+    int64_t valid = std::min<int64_t>(m - chunk_rows, int64_t(ctx.slots.size()));
+    for (const PackedKeys& p : ctx.layers) valid = std::min(valid, p.valid);
+    int64_t same = 0;
+    while (same < valid && ctx.slots[same] == slots[same]) ++same;
+    *reuse = same;
+    ctx.slots = slots;
+    ctx.last_use = ++steps_;
+    return &ctx;
+  }
+
+  // After a forward: past kMaxContexts the least recently used context goes
+  void evict_contexts() {
+    while (contexts_.size() > kMaxContexts) {
+      auto oldest = contexts_.begin();
+      for (auto it = contexts_.begin(); it != contexts_.end(); ++it)
+        if (it->second.last_use < oldest->second.last_use) oldest = it;
+      contexts_.erase(oldest);
+    }
+  }
 };
 
 // y = x @ w.T in bf16 for 1..16 rows: exposed alone for tests and the GEMV benchmark
@@ -1510,8 +1581,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &FusedDecoder::forward, pybind11::arg("embeds"), pybind11::arg("cos"),
            pybind11::arg("sin"), pybind11::arg("block_tables"), pybind11::arg("context_lens"),
            pybind11::arg("block_size"), pybind11::arg("logit_rows") = pybind11::none(),
+           pybind11::arg("context_keys") = pybind11::none(),
            pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def("max_rows", &FusedDecoder::max_rows);
+      .def("max_rows", &FusedDecoder::max_rows)
+      .def("kept_contexts", &FusedDecoder::kept_contexts)
+      .def("forget_context", &FusedDecoder::forget_context);
   pybind11::class_<PanelGemv>(m, "PanelGemv")
       .def(pybind11::init<const at::Tensor&, std::optional<at::Tensor>>(), pybind11::arg("w"),
            pybind11::arg("scales") = pybind11::none())

@@ -342,20 +342,21 @@ def test_fused_prompt_steps_compute_only_the_sampled_rows_logits(tiny_checkpoint
     runner.fused_decoder = recorder
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     llm.chat([text_conv("tell me a story about " + "cats " * 9)], params)
-    prompt_calls = [c for c in recorder.calls if c[0][-1] is not None and len(c[0]) == 7]
+    # forward(embeds, cos, sin, tables, lengths, block_size, logit_rows, context_keys)
+    prompt_calls = [c for c in recorder.calls if len(c[0]) >= 7 and c[0][6] is not None]
     assert prompt_calls, "no prompt step ran fused"
     sampled = 0
     for args, _, out in prompt_calls:
-        rows = args[-1]
-        full = recorder.decoder.forward(*args[:-1])  # rewrites the same cache slots
+        rows = args[6]
+        full = recorder.decoder.forward(*args[:6])  # rewrites the same cache slots
         assert out.shape == (len(rows), full.shape[1])
         torch.testing.assert_close(out, full[rows], rtol=0, atol=0)
         sampled += len(rows)
     assert sampled >= 1  # the last chunk samples the first token
     args = prompt_calls[0][0]
-    assert recorder.decoder.forward(*args[:-1], torch.tensor([], dtype=torch.long)).shape[0] == 0
+    assert recorder.decoder.forward(*args[:6], torch.tensor([], dtype=torch.long)).shape[0] == 0
     with pytest.raises(RuntimeError, match="logit_rows"):
-        recorder.decoder.forward(*args[:-1], torch.tensor([args[0].shape[0]]))
+        recorder.decoder.forward(*args[:6], torch.tensor([args[0].shape[0]]))
 
 
 def _assert_pairs_agree(pairs: _LogitsPairs) -> None:
