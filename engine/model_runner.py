@@ -126,11 +126,12 @@ class ModelRunner:
     # FLOPs. Each new token is one kernel row attending to its own context length: the keys
     # of the whole step are stored before any row attends, so the chunk stays causal. The
     # kernel takes more rows where it has panels or packed weights (``max_rows``), but past
-    # 16 its prompt rows gain little on an eager chunk's tokens, since each row attends to its
-    # whole context on its own (2-core AVX2 EPYC, bench, 1,200-token prompt, only sampled rows
-    # through the lm_head: 2.7-3.3 ms a token fused at 16 rows, 2.4-2.7 at 32, 3.0 at 64;
-    # eager 4.8 at 65, 2.4 at 256, 1.6 at 512). Steps of 32+ rows outlast the default step
-    # bound on such a machine anyway.
+    # 16 its prompt rows gained little on an eager chunk's tokens (2-core AVX2 EPYC, bench,
+    # 1,200-token prompt, only sampled rows through the lm_head: 2.7-3.3 ms a token fused at
+    # 16 rows, 2.4-2.7 at 32, 3.0 at 64; eager 4.8 at 65, 2.4 at 256, 1.6 at 512; since the
+    # chunk's packed keys are kept between steps and the 6-row GEMV block no longer spills,
+    # 2.1-2.2 at 16, benchmarks/README.md, session 16). Steps of 32+ rows outlast the
+    # default step bound on such a machine anyway.
     FUSED_PREFILL_MAX_ROWS = 16
 
     @property

@@ -35,7 +35,6 @@
 #include <unordered_map>
 #include <vector>
 
-
 namespace {
 
 using bf16 = at::BFloat16;
