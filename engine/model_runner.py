@@ -359,7 +359,9 @@ class ModelRunner:
         for c in chunks:
             key = 0
             if not c.is_decode:
-                key = self._prompt_keys.setdefault(c.request_id, next(self._next_prompt_key))
+                key = self._prompt_keys.get(c.request_id, 0)
+                if not key:
+                    key = self._prompt_keys[c.request_id] = next(self._next_prompt_key)
             keys.extend([key] * c.num_tokens)
         return torch.tensor(keys, dtype=torch.long)
 

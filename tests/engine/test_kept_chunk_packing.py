@@ -147,15 +147,26 @@ def test_a_preempted_prompt_starts_under_a_new_key(tiny_qwen2_vl) -> None:
         model=str(tiny_qwen2_vl), dtype="bfloat16", block_size=BLOCK, max_num_batched_tokens=12
     )
     runner = llm.engine.runner
+    keys_seen: list[set[int]] = []
+    real_keys = runner._context_keys
+
+    def recording_keys(chunks):
+        keys = real_keys(chunks)
+        keys_seen.append({int(k) for k in keys if k > 0})
+        return keys
+
+    runner._context_keys = recording_keys
     _prefill_partly(llm, "r1")
-    old_key = runner._prompt_keys["r1"]
+    before = set().union(*keys_seen)
+    assert len(before) == 1  # one key for all of the prompt's chunks so far
     engine = llm.engine
-    req = engine.scheduler.running[0]
     out = type("Out", (), {"preempted_ids": []})()
-    engine.scheduler._preempt(req, out)
+    engine.scheduler._preempt(engine.scheduler.running[0], out)
     runner.forget_requests(out.preempted_ids)
     assert runner.fused_decoder.kept_contexts() == 0
+    keys_seen.clear()
     while engine.has_unfinished():
         engine.step()
-    assert not runner._prompt_keys
-    assert runner._next_prompt_key.__next__() > old_key + 1  # the recompute took a new key
+    after = set().union(*keys_seen)
+    assert len(after) == 1 and after.isdisjoint(before)
+    assert not runner._prompt_keys and runner.fused_decoder.kept_contexts() == 0
