@@ -5,7 +5,7 @@
 # processes, fuzzing, the 64-client load test, the benchmark scripts, the two-replica failover,
 # and every test on the trained person detector, whose first build on a machine takes 4-7
 # minutes): under 10 minutes on 2 cores. In CI (the `CI` variable set, as every CI system does) or with VS_TEST_TIER=all,
-# everything runs (~22 minutes of pytest, ~29 with setup on a 2-core AVX2 EPYC). Extra arguments
+# everything runs (16-22 minutes of pytest, 20-29 with setup on a 2-core AVX2 EPYC). Extra arguments
 # go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."

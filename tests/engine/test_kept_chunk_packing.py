@@ -14,7 +14,6 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.kernels import load_cpu_decode
-from engine.sampling_params import SamplingParams as Params
 from tests.engine.helpers import text_conv
 
 kernels = load_cpu_decode()
@@ -124,7 +123,7 @@ def test_at_most_a_handful_of_prompts_are_kept(tiny_qwen2_vl) -> None:
 def _prefill_partly(llm: LLM, request_id: str) -> None:
     engine = llm.engine
     prompt = engine.process_inputs({"prompt_token_ids": list(range(100, 160))})
-    engine.add_processed(request_id, prompt, Params(max_tokens=2, temperature=0))
+    engine.add_processed(request_id, prompt, SamplingParams(max_tokens=2, temperature=0))
     for _ in range(3):
         engine.step()
 
