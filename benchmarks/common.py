@@ -44,8 +44,10 @@ def camera_frame(width: int = 640, height: int = 480, seed: int = 0) -> Image.Im
 
 
 def save_json(name: str, data: dict) -> Path:
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / name
+    """Writes ``data`` as JSON: a bare name goes under results/, a path (``--out dir/x.json``)
+    where it says -- a benchmark that ran for minutes must not die on where to save."""
+    path = Path(name) if Path(name).parent != Path(".") else RESULTS / name
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=float))
     log(f"saved {path}")
     return path
