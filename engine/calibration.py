@@ -279,6 +279,8 @@ def calibration_key(engine: LLMEngine) -> str:
         "quantization": args.quantization,
         "fused_decode_rows": engine.runner.fused_decode_rows,
         "fused_prefill_rows": engine.runner.fused_prefill_rows,
+        "gemv_max_rows": engine.runner.gemv_max_rows,
+        "weight_prefetch_bytes": engine.runner.weight_prefetch_bytes,
         "encoder_rows_per_item": engine.runner.encoder_rows_per_item,
         "block_size": args.block_size,
         "token_cap": engine.scheduler.config.max_num_batched_tokens,

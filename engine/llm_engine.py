@@ -84,6 +84,9 @@ class LLMEngine:
             self.device,
             self.eos_token_ids,
             encoder_rows_per_item=self.platform.encoder_rows_per_item,
+            fused_prompt_rows=self.platform.fused_prompt_rows,
+            gemv_max_rows=self.platform.gemv_max_rows,
+            weight_prefetch_bytes=self.platform.weight_prefetch_bytes,
         )
         limits = args.step_limits()
         self.scheduler = Scheduler(

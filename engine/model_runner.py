@@ -73,8 +73,16 @@ class ModelRunner:
         device: torch.device,
         eos_token_ids: set[int],
         encoder_rows_per_item: int | None = 256,
+        fused_prompt_rows: int = 16,
+        gemv_max_rows: int = 4,
+        weight_prefetch_bytes: int = 0,
     ) -> None:
         self.model = model
+        # the platform plan's (engine/platform.py): rows of prompt steps in the fused kernel,
+        # rows its own GEMV takes before oneDNN's packed GEMM, how far ahead it reads weights
+        self.fused_prompt_rows = fused_prompt_rows
+        self.gemv_max_rows = gemv_max_rows
+        self.weight_prefetch_bytes = weight_prefetch_bytes
         self.encoder_rows_per_item = encoder_rows_per_item
         # set by leave_a_core_to_the_front_end (the server's AsyncEngine); None: every thread
         self.encoder_threads_beside_chat: int | None = None
@@ -113,26 +121,19 @@ class ModelRunner:
         self._bitmask: BitmaskApplier | None = None  # built on the first constrained row
 
     # decode-only steps of up to this many rows run the fused kernel: its dot-product GEMV up
-    # to GEMV_MAX_ROWS rows, oneDNN's packed GEMM (called from the kernel) past that; without
-    # packed weights (CPUs without bf16 arithmetic, whose oneDNN bf16 GEMM is emulated and
-    # slower than the kernel's GEMV at any decode batch) the kernel takes up to 16 rows
+    # to ``gemv_max_rows`` rows, oneDNN's packed GEMM (called from the kernel) past that;
+    # without packed weights (CPUs without bf16 arithmetic, whose oneDNN bf16 GEMM is emulated
+    # and slower than the kernel's GEMV at any decode batch) the kernel takes up to 16 rows
     FUSED_DECODE_MAX_ROWS = 256
-    GEMV_MAX_ROWS = 4
     UNPACKED_MAX_ROWS = 16
     # steps with prompt tokens run the fused kernel too while their rows (decodes + prompt
-    # tokens) fit its GEMV: a prompt row is then one more row over weights read once, not an
-    # eager forward (per-op overhead, and in bf16 without bf16 arithmetic a widening of every
-    # weight), so a few camera tokens ride beside chat decodes for little more than their
-    # FLOPs. Each new token is one kernel row attending to its own context length: the keys
-    # of the whole step are stored before any row attends, so the chunk stays causal. The
-    # kernel takes more rows where it has panels or packed weights (``max_rows``), but past
-    # 16 its prompt rows gained little on an eager chunk's tokens (2-core AVX2 EPYC, bench,
-    # 1,200-token prompt, only sampled rows through the lm_head: 2.7-3.3 ms a token fused at
-    # 16 rows, 2.4-2.7 at 32, 3.0 at 64; eager 4.8 at 65, 2.4 at 256, 1.6 at 512; since the
-    # chunk's packed keys are kept between steps and the 6-row GEMV block no longer spills,
-    # 2.1-2.2 at 16, benchmarks/README.md, session 16). Steps of 32+ rows outlast the
-    # default step bound on such a machine anyway.
-    FUSED_PREFILL_MAX_ROWS = 16
+    # tokens) fit ``fused_prompt_rows`` (the platform plan's): a prompt row is then one more
+    # row over weights read once, not an eager forward (per-op overhead, and in bf16 without
+    # bf16 arithmetic a widening of every weight), so a few camera tokens ride beside chat
+    # decodes for little more than their FLOPs. Each new token is one kernel row attending to
+    # its own context length: the keys of the whole step are stored before any row attends, so
+    # the chunk stays causal. How many rows pay off depends on the kernel's linears
+    # (engine/platform.py: 16 on the emulated builds' panel GEMV, 64 over oneDNN's packed GEMM).
 
     @property
     def fused_decode_rows(self) -> int:
@@ -145,13 +146,15 @@ class ModelRunner:
         run the fused kernel (0: such steps run eager)."""
         if self.fused_decoder is None:
             return 0
-        return min(self.FUSED_PREFILL_MAX_ROWS, self._kernel_rows)
+        return min(self.fused_prompt_rows, self._kernel_rows)
 
     def _build_fused_decoder(self):
         weights = getattr(self.model, "decode_kernel_weights_hp", None)
         kernels = load_cpu_decode() if weights is not None else None
         if kernels is None:
             return None
+        if hasattr(kernels, "set_weight_prefetch"):  # process-wide: one plan per process
+            kernels.set_weight_prefetch(self.weight_prefetch_bytes)
         packed = self.model.packed_decoder_weights()  # None when oneDNN packing is off
         per_layer = 7
         layers = []
@@ -175,7 +178,7 @@ class ModelRunner:
                 self.model.num_kv_heads,
                 self.model.head_dim,
                 float(text.rms_norm_eps),
-                self.GEMV_MAX_ROWS,
+                self.gemv_max_rows,
                 **({} if scales is None else {"scales": scales}),
             )
         except RuntimeError as exc:  # a shape the kernel does not take: eager decode

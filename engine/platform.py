@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.device import cpu_has_fast_bf16, resolve_device, resolve_dtype
+from engine.device import cpu_has_fast_bf16, cpu_vendor, resolve_device, resolve_dtype
 
 if TYPE_CHECKING:
     from engine.config import EngineArgs
@@ -31,6 +31,30 @@ log = logging.getLogger("engine")
 # GPU a 64-row item is all launch overhead (0.25 s per frame in items, 0.01 s whole)
 ENCODER_ROWS_BF16_ARITHMETIC = 64
 ENCODER_ROWS_CPU_OTHER = 256
+
+# rows (decodes + prompt tokens) a step with prompt tokens may hold and still run the fused
+# kernel (engine/model_runner.py says why prompt rows ride it at all). Where its linears past
+# a few rows are oneDNN's packed GEMM on bf16 arithmetic, 32-64 rows run near that GEMM's
+# large-chunk rate (a bench decoder's matrices: 1.20 ms a row at 16, 1.06 at 32, 0.98 at 64,
+# 0.92 at 512 on a 2-core AVX512-BF16 Xeon), so the step bound's ~35-row batch-only steps
+# stay fused and cheap; 16 there cost camera-only work ~30 % against a fixed 2,048-token
+# budget (benchmarks.default_cost). On the emulated builds' panel GEMV, past 16 rows a prompt
+# row gains little on an eager chunk's and such steps outlast the default step bound anyway
+# (2-core AVX2 EPYC, bench, 1,200-token prompt: 2.1-2.2 ms a token fused at 16 rows since
+# session 16; before it 2.7-3.3 at 16, 2.4-2.7 at 32, 3.0 at 64; eager 1.6 at 512).
+FUSED_PROMPT_ROWS_PACKED = 64
+FUSED_PROMPT_ROWS_PANELS = 16
+
+# The native build's row-major GEMV on Intel cores: asking for each weight row 4 KiB ahead
+# keeps memory busy where the hardware prefetcher alone left it idle at every new row (2-core
+# AVX512-BF16 Xeon, bench, in-process in turns: a batch-1 decode step 12.2-12.9 -> 9.6-10.0 ms,
+# ~98 % of the read bandwidth probe; batch 4 17.7 -> 10.9 ms), and with it the GEMV beats
+# oneDNN's packed GEMM up to 16 rows (batch 8: 21.0 -> 14.0 ms, batch 16: 40.7 -> 29.6 ms).
+# On an AVX512-BF16 EPYC (Zen 4) the same prefetch had lost to the hardware's (session 3):
+# there the GEMV stops at 4 rows with no software prefetch, as before.
+NATIVE_PREFETCH_BYTES_INTEL = 4096
+GEMV_ROWS_PREFETCHED = 16
+GEMV_ROWS_DEFAULT = 4
 
 
 @dataclass(frozen=True)
@@ -49,6 +73,11 @@ class PlatformPlan:
     linear_kind: str  # the decoder's: "int8" | "bf16-upcast" | "onednn-packed" | "plain"
     vision_dtype: torch.dtype
     encoder_rows_per_item: int | None  # None: whole encoder stages per item
+    fused_prompt_rows: int  # most rows of a step with prompt tokens in the fused kernel
+    # the fused kernel's row-major GEMV: most rows it takes before oneDNN's packed GEMM, and
+    # how far ahead the native build asks for weights (0: the hardware prefetcher alone)
+    gemv_max_rows: int = GEMV_ROWS_DEFAULT
+    weight_prefetch_bytes: int = 0
 
     @property
     def emulated_bf16(self) -> bool:
@@ -65,7 +94,9 @@ class PlatformPlan:
             f"bf16_arithmetic={self.bf16_arithmetic} kernels={self.kernel_variant or 'none'}"
             f"{'' if self.use_cpu_kernels else ' (off)'} linears={self.linear_kind} "
             f"quantization={self.quantization or 'none'} vision_dtype={_name(self.vision_dtype)} "
-            f"encoder_rows_per_item={self.encoder_rows_per_item or 'whole'}"
+            f"encoder_rows_per_item={self.encoder_rows_per_item or 'whole'} "
+            f"fused_prompt_rows={self.fused_prompt_rows} gemv_max_rows={self.gemv_max_rows} "
+            f"weight_prefetch={self.weight_prefetch_bytes}"
         )
 
 
@@ -139,6 +170,7 @@ def plan_platform(
         linear_kind = "plain"
     else:
         linear_kind = "bf16-upcast" if emulated else "onednn-packed"
+    prefetched = bool(use_kernels) and variant == "native-bf16" and cpu_vendor() == "GenuineIntel"
     return PlatformPlan(
         device=device,
         dtype=dtype,
@@ -150,6 +182,15 @@ def plan_platform(
         linear_kind=linear_kind,
         vision_dtype=vision_compute_dtype(dtype, device),
         encoder_rows_per_item=encoder_rows_per_item(device, dtype, requested_encoder_rows),
+        fused_prompt_rows=(
+            0
+            if not use_kernels
+            else FUSED_PROMPT_ROWS_PACKED
+            if linear_kind == "onednn-packed"
+            else FUSED_PROMPT_ROWS_PANELS
+        ),
+        gemv_max_rows=GEMV_ROWS_PREFETCHED if prefetched else GEMV_ROWS_DEFAULT,
+        weight_prefetch_bytes=NATIVE_PREFETCH_BYTES_INTEL if prefetched else 0,
     )
 
 

@@ -49,14 +49,28 @@ using vs::vf;
 // (``left`` lanes of 16).
 using vs::round_bf16;  // fp32 -> nearest bf16 -> fp32: what f32(bf16(x)) does
 
+// bf16(silu(g) * u) for gate and up already rounded to bf16, each op's result rounded as eager
+// bf16 does
+inline vf silu_mul_rounded(vf g, vf u) {
+  const vf e = vs::exp(vs::sub(vs::zero(), g));
+  return vs::mul(round_bf16(vs::div(g, vs::add(vs::set1(1.f), e))), u);
+}
+
 // dst[i] = bf16(silu(bf16(gate[i])) * bf16(up[i])), each op's result rounded as eager bf16 does
 inline void silu_mul_row(const float* gate, const float* up, bf16* dst, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
     const int64_t k = n - i;
-    const vf g = round_bf16(vs::load(gate + i, k));
-    const vf e = vs::exp(vs::sub(vs::zero(), g));
-    const vf silu = round_bf16(vs::div(g, vs::add(vs::set1(1.f), e)));
-    vs::store_bf16(dst + i, vs::mul(silu, round_bf16(vs::load(up + i, k))), k);
+    const vf y = silu_mul_rounded(round_bf16(vs::load(gate + i, k)), round_bf16(vs::load(up + i, k)));
+    vs::store_bf16(dst + i, y, k);
+  }
+}
+
+// the same from bf16 gate and up (oneDNN's GEMM output): a scalar loop with std::exp here was
+// 7 % of a 48-row prompt step on a 2-core AVX512-BF16 Xeon
+inline void silu_mul_row_bf16(const bf16* gate, const bf16* up, bf16* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const int64_t k = n - i;
+    vs::store_bf16(dst + i, silu_mul_rounded(vs::load_bf16(gate + i, k), vs::load_bf16(up + i, k)), k);
   }
 }
 
@@ -92,11 +106,19 @@ struct Activations {
 
 // acc[m][n - n0] = dot(x[m, :], w[n, :]) for n in [n0, n1): every weight row is read once and
 // used for all M rows. One dot-product chain is latency-bound, so U slices of K are accumulated
-// independently (with M >= 4 the rows themselves are enough chains). Software prefetch only in
-// the emulated build (below): on the EPYC the hardware stream prefetcher did better.
+// independently (with M >= 4 the rows themselves are enough chains). Software prefetch always in
+// the emulated build (below); in the native one where the plan asks for it (g_native_prefetch):
+// on an Intel Xeon it kept memory busy, on an EPYC the hardware stream prefetcher did better.
+// bytes ahead the native build's GEMV asks for each weight row (0: the hardware prefetcher
+// alone), set once per process from the platform plan (engine/platform.py says where it pays)
+int64_t g_native_prefetch = 0;
+
 template <int M, int U>
 void dot_rows(const Activations& xs, const bf16* w, int64_t n0, int64_t n1, float* acc,
               int64_t ld_acc) {
+#ifdef VS_BF16_DOT
+  const int64_t ahead = g_native_prefetch;
+#endif
   constexpr int64_t step = 32 * U;
   const int64_t K = xs.K;
   const bf16* x = xs.x;
@@ -113,6 +135,8 @@ void dot_rows(const Activations& xs, const bf16* w, int64_t n0, int64_t n1, floa
         // weights 4 KiB ahead beat the hardware prefetcher (batch-1 decode 102 -> 125 tok/s on
         // an Ice Lake; 2 KiB: 115, 8 KiB: 93). On the EPYC (native build) it had lost.
         __builtin_prefetch(reinterpret_cast<const char*>(wr + k + 32 * u) + 4096);
+#else
+        if (ahead) __builtin_prefetch(reinterpret_cast<const char*>(wr + k + 32 * u) + ahead);
 #endif
         const vs::vpair wv = vs::load_pairs(wr + k + 32 * u);
 #ifdef VS_BF16_DOT
@@ -1221,10 +1245,12 @@ class FusedDecoder {
       } else {
         const at::Tensor gu = onednn_linear(h_t, L.gate_up_p);
         const bf16* g = gu.data_ptr<bf16>();
-        at::parallel_for(0, M * I, 4096, [&](int64_t i0, int64_t i1) {
-          for (int64_t i = i0; i < i1; ++i) {
-            const int64_t m = i / I, j = i % I;
-            act[i] = silu_mul(f32(g[m * 2 * I + j]), f32(g[m * 2 * I + I + j]));
+        constexpr int64_t kSpan = 512;  // features per task: 16-lane vectors, whole ones
+        const int64_t spans = (I + kSpan - 1) / kSpan;
+        at::parallel_for(0, M * spans, 1, [&](int64_t t0, int64_t t1) {
+          for (int64_t t = t0; t < t1; ++t) {
+            const int64_t m = t / spans, j = t % spans * kSpan, n = std::min(kSpan, I - j);
+            silu_mul_row_bf16(g + m * 2 * I + j, g + m * 2 * I + I + j, act + m * I + j, n);
           }
         });
       }
@@ -1317,12 +1343,6 @@ class FusedDecoder {
     return panels.defined() && (panels.int8 || M >= kPanelRows);
   }
 
-  // silu(gate) * up with eager bf16's roundings (each op's result rounded)
-  static bf16 silu_mul(float gate_acc, float up_acc) {
-    const float gate = f32(bf16(gate_acc));
-    const float silu = f32(bf16(gate / (1.0f + std::exp(-gate))));
-    return bf16(silu * f32(bf16(up_acc)));
-  }
 
   // y = x[:, :K] @ w.T, handed to ``epilogue(n0, n1, acc)`` ([M, n1 - n0] fp32) per column
   // range: the dot-product kernel for a few rows, oneDNN's packed GEMM past that
@@ -1343,9 +1363,11 @@ class FusedDecoder {
     const at::Tensor y = onednn_linear(x, packed);
     const bf16* yp = y.data_ptr<bf16>();
     at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) {
-      std::vector<float> acc(static_cast<size_t>(M) * (n1 - n0));
+      thread_local std::vector<float> acc;  // reused: a fresh buffer per task churned malloc
+      acc.resize(static_cast<size_t>(M) * (n1 - n0));
       for (int m = 0; m < M; ++m)
-        for (int64_t n = n0; n < n1; ++n) acc[m * (n1 - n0) + n - n0] = f32(yp[m * N + n]);
+        for (int64_t n = n0; n < n1; n += 16)
+          vs::store(&acc[m * (n1 - n0) + n - n0], vs::load_bf16(yp + m * N + n, n1 - n), n1 - n);
       epilogue(n0, n1, acc.data());
     });
   }
@@ -1589,6 +1611,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<const at::Tensor&, std::optional<at::Tensor>>(), pybind11::arg("w"),
            pybind11::arg("scales") = pybind11::none())
       .def("forward", &PanelGemv::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("set_weight_prefetch", [](int64_t bytes) {
+    TORCH_CHECK(bytes >= 0 && bytes <= (int64_t(1) << 20), "weight prefetch distance ", bytes);
+    g_native_prefetch = bytes;
+  });
   m.def("small_matmul", &small_matmul);
   m.def("panel_matmul", &panel_matmul, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("decode_attention", &decode_attention,

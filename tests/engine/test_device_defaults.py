@@ -80,6 +80,8 @@ def test_the_platform_plan_decides_together(monkeypatch) -> None:
         64,
     )
     assert fast.use_cpu_kernels and not fast.emulated_bf16
+    # prompt steps ride the fused kernel up to 64 rows over oneDNN's GEMM, 16 over panels
+    assert fast.fused_prompt_rows == 64 and "fused_prompt_rows=64" in fast.describe()
     emulated = _plan(monkeypatch, False)
     assert (emulated.linear_kind, emulated.vision_dtype, emulated.encoder_rows_per_item) == (
         "bf16-upcast",
@@ -90,8 +92,10 @@ def test_the_platform_plan_decides_together(monkeypatch) -> None:
     assert "kernels=avx2" in emulated.describe() and "linears=bf16-upcast" in emulated.describe()
     int8 = _plan(monkeypatch, False, quantization="int8")
     assert int8.linear_kind == "int8" and int8.use_cpu_kernels
+    assert emulated.fused_prompt_rows == int8.fused_prompt_rows == 16
     int8_fp32 = _plan(monkeypatch, False, quantization="int8", dtype=torch.float32)
     assert int8_fp32.linear_kind == "int8" and not int8_fp32.use_cpu_kernels
+    assert int8_fp32.fused_prompt_rows == 0
     assert not _plan(monkeypatch, False, variant=None).use_cpu_kernels  # no build applies
     fp32 = _plan(monkeypatch, False, dtype=torch.float32)
     assert fp32.linear_kind == "onednn-packed" and not fp32.use_cpu_kernels

@@ -88,11 +88,14 @@ def test_logits_and_greedy_tokens_track_the_unquantized_model(pair) -> None:
     bound, min_agreement = (0.03, 0.8) if fp32_acts else (0.04, 0.55)
     agree = total = 0
     for conv in PROMPTS:
-        want = fp32.chat(conv, GREEDY)[0].outputs[0].token_ids
-        got = int8.chat(conv, GREEDY)[0].outputs[0].token_ids
+        # tokens and logits from the same run: a second run of a prompt hits the prefix cache
+        # and takes other kernels (a bf16 near-tie may then flip), so the logits of one run
+        # compared under the tokens of another set contexts that differ side by side
+        ref, q = step_logits(fp32, conv, GREEDY), step_logits(int8, conv, GREEDY)
+        want = [int(r.argmax(-1)[0]) for r in ref]
+        got = [int(g.argmax(-1)[0]) for g in q]
         agree += sum(a == b for a, b in zip(want, got, strict=True))
         total += len(want)
-        ref, q = step_logits(fp32, conv, GREEDY), step_logits(int8, conv, GREEDY)
         for step, (g, r) in enumerate(zip(q, ref, strict=True)):
             if got[:step] != want[:step]:
                 break
