@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.cost_model import FEATURES, StepCostModel, StepFeatures, chunk_attention_units
+from engine.device import cpuinfo_field
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -251,13 +252,7 @@ def cache_dir() -> Path:
 
 
 def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+    return cpuinfo_field("model name") or platform.processor()
 
 
 def calibration_key(engine: LLMEngine) -> str:

@@ -35,15 +35,21 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def cpu_vendor() -> str:
-    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``; empty when unknown)."""
+def cpuinfo_field(name: str) -> str:
+    """The first ``name`` line of /proc/cpuinfo (``model name``, ``vendor_id``); empty where
+    there is none (not Linux, or a field this CPU does not report)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
+            if line.startswith(name):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return ""
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``; empty when unknown)."""
+    return cpuinfo_field("vendor_id")
 
 
 def cpu_has_fast_bf16() -> bool:

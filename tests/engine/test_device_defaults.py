@@ -82,6 +82,13 @@ def test_the_platform_plan_decides_together(monkeypatch) -> None:
     assert fast.use_cpu_kernels and not fast.emulated_bf16
     # prompt steps ride the fused kernel up to 64 rows over oneDNN's GEMM, 16 over panels
     assert fast.fused_prompt_rows == 64 and "fused_prompt_rows=64" in fast.describe()
+    # the native GEMV prefetches weights and takes 16 rows on Intel, neither on AMD
+    for vendor, rows, ahead in (("GenuineIntel", 16, 4096), ("AuthenticAMD", 4, 0)):
+        monkeypatch.setattr("engine.platform.cpu_vendor", lambda vendor=vendor: vendor)
+        native = _plan(monkeypatch, True, variant="native-bf16")
+        assert (native.gemv_max_rows, native.weight_prefetch_bytes) == (rows, ahead)
+        assert f"weight_prefetch={ahead}" in native.describe()
+    assert _plan(monkeypatch, False).weight_prefetch_bytes == 0  # emulated: compiled in
     emulated = _plan(monkeypatch, False)
     assert (emulated.linear_kind, emulated.vision_dtype, emulated.encoder_rows_per_item) == (
         "bf16-upcast",
