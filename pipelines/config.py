@@ -375,6 +375,13 @@ class DetectorConfig(Section):
 
     weights: str = "yolo26n.pt"
     conf: float = Field(0.25, ge=0.0, le=1.0)
+    iou: float = Field(
+        0.6,
+        gt=0.0,
+        le=1.0,
+        description="a box overlapping a higher-scored one of its class by more than this IoU "
+        "is a duplicate and dropped (YOLO26's end-to-end head skips NMS; 1 keeps every box)",
+    )
     imgsz: int = Field(640, ge=32, le=4096)
     classes: list[int] = Field(default_factory=lambda: [0], description="COCO 0 = person")
     device: str = "cpu"

@@ -197,6 +197,7 @@ class Detector:
             images,
             imgsz=imgsz,
             conf=conf,
+            iou=min(self.config.iou, 1.0),  # NMS models (YOLO11 and older) only
             classes=classes,
             device=self.config.device,
             verbose=False,
@@ -219,7 +220,8 @@ class Detector:
             results = self._predict([frames[i].image for i in idx], imgsz, min_conf, wanted)
             for i, result in zip(idx, results, strict=True):
                 _, conf, classes = settings[i]
-                out[i] = [d for d in self._boxes(result) if d.cls in classes and d.conf >= conf]
+                kept = [d for d in self._boxes(result) if d.cls in classes and d.conf >= conf]
+                out[i] = drop_duplicates(kept, self.config.iou)
         elapsed = time.monotonic() - started
         metrics.DETECT_SECONDS.observe(elapsed)
         metrics.DETECT_BATCH.observe(len(frames))
@@ -248,6 +250,27 @@ class Detector:
             Detection(c, self.names.get(c, str(c)), float(p), tuple(float(v) for v in b))
             for b, p, c in zip(xyxy, confs, classes, strict=True)
         ]
+
+
+def drop_duplicates(dets: list[Detection], iou: float) -> list[Detection]:
+    """Class-wise non-maximum suppression at ``iou``, best score first.
+
+    Why here: YOLO26's end-to-end head is trained to give one box per object, so Ultralytics
+    runs no NMS on it (``iou`` is ignored there), but a model at a low threshold still gives
+    a second box over the same person now and then (the synthetic detector of
+    ``make-detector``: a nested box at IoU 0.69 on ~1 frame in 5). The tracker then starts a
+    track on it and, where the two swap scores, hands the person's id to the duplicate: one
+    walk, two tracks, two descriptions. ``iou >= 1`` keeps every box."""
+    if len(dets) < 2 or iou >= 1.0:
+        return dets
+    import torch
+    from torchvision.ops import batched_nms
+
+    boxes = torch.tensor([d.box for d in dets], dtype=torch.float32)
+    scores = torch.tensor([d.conf for d in dets], dtype=torch.float32)
+    classes = torch.tensor([d.cls for d in dets])
+    keep = batched_nms(boxes, scores, classes, iou).tolist()
+    return [dets[i] for i in sorted(keep)]
 
 
 def _check_export_imgsz(weights: str, imgsz: int) -> None:

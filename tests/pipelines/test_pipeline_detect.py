@@ -130,3 +130,33 @@ def test_untrained_model_finds_no_people_on_real_photos(detector) -> None:
 def test_detector_config_defaults_to_trained_weights_and_person() -> None:
     cfg = DetectorConfig()
     assert cfg.weights == "yolo26n.pt" and cfg.classes == [0]
+
+
+def _det(box: tuple[float, float, float, float], conf: float, cls: int = 0) -> Detection:
+    return Detection(cls, "person" if cls == 0 else str(cls), conf, box)
+
+
+def test_a_duplicate_box_of_the_same_person_is_dropped() -> None:
+    """YOLO26's end-to-end head skips NMS; the nested second box a weak model gives (the
+    synthetic detector's, IoU 0.69 with the person's box) is dropped at the default IoU, a
+    second person beside it, another class on top of it and a box under the IoU stay."""
+    from pipelines.detect import drop_duplicates
+
+    iou = DetectorConfig().iou
+    person = _det((31, 143, 179, 474), 0.49)
+    nested = _det((44, 187, 170, 457), 0.13)  # IoU 0.694 with ``person``
+    beside = _det((300, 140, 440, 470), 0.30)
+    partial = _det((119, 142, 218, 350), 0.11)  # a head-and-torso box inside: IoU 0.41
+    bag = _det((44, 187, 170, 457), 0.20, cls=24)
+    kept = drop_duplicates([person, nested, beside, partial, bag], iou)
+    assert kept == [person, beside, partial, bag]  # order kept, only the duplicate gone
+    assert drop_duplicates([nested, person], iou) == [person]  # the better score wins
+    assert drop_duplicates([person, nested], 1.0) == [person, nested]  # 1: every box kept
+    assert drop_duplicates([], iou) == [] and drop_duplicates([person], iou) == [person]
+
+
+def test_detector_iou_is_validated() -> None:
+    assert DetectorConfig(iou=1.0).iou == 1.0
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="iou"):
+            DetectorConfig(iou=bad)
