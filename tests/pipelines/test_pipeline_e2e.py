@@ -87,8 +87,14 @@ def test_rtsp_frames_with_people_are_described_by_our_server(
     worker = DescriberThread(config, "e2e").start()
     try:
         with PipelineThread(config, detector) as pipeline:
+            # both: a warm describer can finish 2 descriptions within the first 3 frames
             wait_until(
-                lambda: len(descriptions(client, config.queue)) >= 2, 150, what="2 described"
+                lambda: (
+                    len(descriptions(client, config.queue)) >= 2
+                    and pipeline.detected["e2e-cam"] >= 5
+                ),
+                150,
+                what="2 described and 5 frames detected",
             )
         # the pipeline stopped; the describer finishes what was enqueued
         wait_until(
