@@ -170,7 +170,13 @@ def plan_platform(
         linear_kind = "plain"
     else:
         linear_kind = "bf16-upcast" if emulated else "onednn-packed"
-    prefetched = bool(use_kernels) and variant == "native-bf16" and cpu_vendor() == "GenuineIntel"
+    # bf16 row-major weights only: int8 matrices run their own panels
+    prefetched = (
+        bool(use_kernels)
+        and quantization is None
+        and variant == "native-bf16"
+        and cpu_vendor() == "GenuineIntel"
+    )
     return PlatformPlan(
         device=device,
         dtype=dtype,

@@ -104,15 +104,15 @@ struct Activations {
 #endif
 };
 
+// bytes ahead the native build's GEMV asks for each weight row (0: the hardware prefetcher
+// alone), set once per process from the platform plan (engine/platform.py says where it pays)
+int64_t g_native_prefetch = 0;
+
 // acc[m][n - n0] = dot(x[m, :], w[n, :]) for n in [n0, n1): every weight row is read once and
 // used for all M rows. One dot-product chain is latency-bound, so U slices of K are accumulated
 // independently (with M >= 4 the rows themselves are enough chains). Software prefetch always in
 // the emulated build (below); in the native one where the plan asks for it (g_native_prefetch):
 // on an Intel Xeon it kept memory busy, on an EPYC the hardware stream prefetcher did better.
-// bytes ahead the native build's GEMV asks for each weight row (0: the hardware prefetcher
-// alone), set once per process from the platform plan (engine/platform.py says where it pays)
-int64_t g_native_prefetch = 0;
-
 template <int M, int U>
 void dot_rows(const Activations& xs, const bf16* w, int64_t n0, int64_t n1, float* acc,
               int64_t ld_acc) {
@@ -1342,7 +1342,6 @@ class FusedDecoder {
   static bool use_panels(int M, const Panels& panels) {
     return panels.defined() && (panels.int8 || M >= kPanelRows);
   }
-
 
   // y = x[:, :K] @ w.T, handed to ``epilogue(n0, n1, acc)`` ([M, n1 - n0] fp32) per column
   // range: the dot-product kernel for a few rows, oneDNN's packed GEMM past that

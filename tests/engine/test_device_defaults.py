@@ -88,6 +88,8 @@ def test_the_platform_plan_decides_together(monkeypatch) -> None:
         native = _plan(monkeypatch, True, variant="native-bf16")
         assert (native.gemv_max_rows, native.weight_prefetch_bytes) == (rows, ahead)
         assert f"weight_prefetch={ahead}" in native.describe()
+        int8_native = _plan(monkeypatch, True, variant="native-bf16", quantization="int8")
+        assert (int8_native.gemv_max_rows, int8_native.weight_prefetch_bytes) == (4, 0)
     assert _plan(monkeypatch, False).weight_prefetch_bytes == 0  # emulated: compiled in
     emulated = _plan(monkeypatch, False)
     assert (emulated.linear_kind, emulated.vision_dtype, emulated.encoder_rows_per_item) == (
