@@ -226,3 +226,18 @@ def test_step_trace_summary_script(tmp_path, results):
     assert sum(w["steps"] for w in windows) == 50
     assert windows[0]["encoder_ms_per_unit"] == pytest.approx(0.1)
     assert windows[0]["chat_step_ms_p50"] == pytest.approx(30.0)
+
+
+@pytest.mark.slow
+def test_weight_prefetch_script(tiny_qwen2_vl, results):
+    _run(
+        "benchmarks.weight_prefetch",
+        "--model", str(tiny_qwen2_vl), "--batches", "1", "2", "--distances", "0", "4096",
+        "--rounds", "2", "--steps", "3", "--out", "wp.json",
+        results=results,
+    )  # fmt: skip
+    data = json.loads((results / "wp.json").read_text())
+    if data.get("skipped"):
+        return  # no native-bf16 build here: the script says so and saves that
+    assert set(data["median_step_ms"]) == {"1", "2"}
+    assert all(ms > 0 for row in data["median_step_ms"].values() for ms in row.values())

@@ -1,0 +1,99 @@
+"""The native GEMV's software weight prefetch, in turns inside one engine: decode step time
+per batch size and prefetch distance.
+
+Why in one process: the machines here move 20-40 % between minutes, more than the effect; the
+distance is a process-wide kernel setting (``set_weight_prefetch``), so each round runs every
+distance back to back on the same engine, order reversed every round, and the medians are
+compared. The platform plan (``engine/platform.py``) prefetches 4 KiB ahead on Intel native-
+bf16 builds and not at all elsewhere; run this on a new CPU class to check that choice.
+The emulated builds prefetch by compilation and are not affected (the script says so).
+
+    python -m benchmarks.weight_prefetch [--batches 1 4 8] [--distances 0 2048 4096 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from benchmarks.common import bench_checkpoint, checkpoint_args, log, save_json, setup_env
+
+
+def median_decode_step(engine, tag: str, batch: int, steps: int) -> float:
+    """Median seconds of the decode-only steps of ``batch`` fresh 64-token prompts."""
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    for b in range(batch):
+        engine.add_request(f"{tag}-{b}", {"prompt_token_ids": list(range(100, 164))}, params)
+    engine.step()  # the prompts
+    times = []
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main() -> None:
+    setup_env()
+    ap = argparse.ArgumentParser(description=__doc__)
+    checkpoint_args(ap, dtype="auto")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--distances", type=int, nargs="+", default=[0, 2048, 4096, 8192])
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=48, help="decode steps per measurement")
+    ap.add_argument("--out", default="weight_prefetch.json")
+    args = ap.parse_args()
+
+    from engine.config import EngineArgs
+    from engine.kernels import load_cpu_decode
+    from engine.llm_engine import LLMEngine
+
+    kernels = load_cpu_decode()
+    engine = LLMEngine(
+        EngineArgs(model=str(bench_checkpoint(args.family, args.model)), dtype=args.dtype)
+    )
+    if kernels is None or not kernels.bf16_dot or engine.runner.fused_decoder is None:
+        log("no native-bf16 fused decoder on this machine: its prefetch is compiled in or absent")
+        save_json(args.out, {"skipped": True, "args": vars(args)})
+        return
+    plan_distance = engine.runner.weight_prefetch_bytes
+    median_decode_step(engine, "warm", 1, 4)
+    results: dict[int, dict[int, list[float]]] = {
+        b: {d: [] for d in args.distances} for b in args.batches
+    }
+    try:
+        for r in range(args.rounds):
+            order = args.distances if r % 2 == 0 else args.distances[::-1]
+            for batch in args.batches:
+                for distance in order:
+                    kernels.set_weight_prefetch(distance)
+                    step = median_decode_step(engine, f"{r}-{batch}-{distance}", batch, args.steps)
+                    results[batch][distance].append(step)
+    finally:
+        kernels.set_weight_prefetch(plan_distance)
+    summary = {
+        batch: {d: 1e3 * statistics.median(v) for d, v in per.items()}
+        for batch, per in results.items()
+    }
+    for batch, per in summary.items():
+        row = "  ".join(f"{d} B: {ms:.2f} ms" for d, ms in per.items())
+        log(f"batch {batch}: {row}")
+    rows = engine.runner.gemv_max_rows
+    log(f"the plan's distance here: {plan_distance} B (rows in the GEMV: {rows})")
+    save_json(
+        args.out,
+        {
+            "median_step_ms": summary,
+            "steps_s": results,
+            "plan_distance": plan_distance,
+            "gemv_max_rows": engine.runner.gemv_max_rows,
+            "args": vars(args),
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
