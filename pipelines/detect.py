@@ -197,7 +197,7 @@ class Detector:
             images,
             imgsz=imgsz,
             conf=conf,
-            iou=min(self.config.iou, 1.0),  # NMS models (YOLO11 and older) only
+            iou=self.config.iou,  # NMS models (YOLO11 and older) only; validated to (0, 1]
             classes=classes,
             device=self.config.device,
             verbose=False,
