@@ -1,14 +1,18 @@
-"""The native GEMV's software weight prefetch, in turns inside one engine: decode step time
-per batch size and prefetch distance.
+"""The native GEMV's software weight prefetch and row limit, in turns inside one engine:
+decode step time per batch size, prefetch distance and ``gemv_max_rows`` (past it a decode step
+runs oneDNN's packed GEMM).
 
 Why in one process: the machines here move 20-40 % between minutes, more than the effect; the
 distance is a process-wide kernel setting (``set_weight_prefetch``), so each round runs every
 distance back to back on the same engine, order reversed every round, and the medians are
 compared. The platform plan (``engine/platform.py``) prefetches 4 KiB ahead on Intel native-
-bf16 builds and not at all elsewhere; run this on a new CPU class to check that choice.
+bf16 builds and not at all elsewhere, and sends up to 16 rows (Intel) or 4 to the GEMV; run
+this on a new CPU class to check those choices (``--gemv-rows 4 16``: each limit rebuilds the
+fused decoder, which shares the engine's weights).
 The emulated builds prefetch by compilation and are not affected (the script says so).
 
     python -m benchmarks.weight_prefetch [--batches 1 4 8] [--distances 0 2048 4096 8192]
+        [--gemv-rows 4 16]
 """
 
 from __future__ import annotations
@@ -42,6 +46,10 @@ def main() -> None:
     checkpoint_args(ap, dtype="auto")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--distances", type=int, nargs="+", default=[0, 2048, 4096, 8192])
+    ap.add_argument(
+        "--gemv-rows", type=int, nargs="+", default=None,
+        help="GEMV row limits to try (default: the plan's only)",
+    )  # fmt: skip
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=48, help="decode steps per measurement")
     ap.add_argument("--out", default="weight_prefetch.json")
@@ -59,41 +67,53 @@ def main() -> None:
         log("no native-bf16 fused decoder on this machine: its prefetch is compiled in or absent")
         save_json(args.out, {"skipped": True, "args": vars(args)})
         return
-    plan_distance = engine.runner.weight_prefetch_bytes
+    runner = engine.runner
+    plan_distance, plan_rows = runner.weight_prefetch_bytes, runner.gemv_max_rows
+    row_limits = args.gemv_rows or [plan_rows]
+    decoders = {}
+    for rows in row_limits:  # one fused decoder per limit, built once, swapped in turns
+        runner.gemv_max_rows = rows
+        decoders[rows] = runner._build_fused_decoder()
+    variants = [(rows, d) for rows in row_limits for d in args.distances]
     median_decode_step(engine, "warm", 1, 4)
-    results: dict[int, dict[int, list[float]]] = {
-        b: {d: [] for d in args.distances} for b in args.batches
+    results: dict[int, dict[str, list[float]]] = {
+        b: {variant_name(*v): [] for v in variants} for b in args.batches
     }
     try:
         for r in range(args.rounds):
-            order = args.distances if r % 2 == 0 else args.distances[::-1]
+            order = variants if r % 2 == 0 else variants[::-1]
             for batch in args.batches:
-                for distance in order:
+                for rows, distance in order:
+                    runner.fused_decoder = decoders[rows]
                     kernels.set_weight_prefetch(distance)
-                    step = median_decode_step(engine, f"{r}-{batch}-{distance}", batch, args.steps)
-                    results[batch][distance].append(step)
+                    tag = f"{r}-{batch}-{rows}-{distance}"
+                    step = median_decode_step(engine, tag, batch, args.steps)
+                    results[batch][variant_name(rows, distance)].append(step)
     finally:
         kernels.set_weight_prefetch(plan_distance)
+        runner.gemv_max_rows, runner.fused_decoder = plan_rows, decoders.get(plan_rows)
     summary = {
-        batch: {d: 1e3 * statistics.median(v) for d, v in per.items()}
+        batch: {name: 1e3 * statistics.median(v) for name, v in per.items()}
         for batch, per in results.items()
     }
     for batch, per in summary.items():
-        row = "  ".join(f"{d} B: {ms:.2f} ms" for d, ms in per.items())
+        row = "  ".join(f"{name}: {ms:.2f} ms" for name, ms in per.items())
         log(f"batch {batch}: {row}")
-    rows = engine.runner.gemv_max_rows
-    log(f"the plan's distance here: {plan_distance} B (rows in the GEMV: {rows})")
+    log(f"the plan here: {variant_name(plan_rows, plan_distance)}")
     save_json(
         args.out,
         {
             "median_step_ms": summary,
             "steps_s": results,
             "plan_distance": plan_distance,
-            "gemv_max_rows": engine.runner.gemv_max_rows,
+            "gemv_max_rows": plan_rows,
             "args": vars(args),
         },
     )
 
+
+def variant_name(rows: int, distance: int) -> str:
+    return f"gemv<={rows} prefetch {distance} B"
 
 if __name__ == "__main__":
     main()

@@ -122,8 +122,13 @@ class Request:
 
     @property
     def is_prefill(self) -> bool:
-        """More than the newest token left to compute (prompt, or recompute after preemption)."""
-        return self.num_tokens - self.num_computed_tokens > 1 or self.num_computed_tokens == 0
+        """More than the newest token left to compute (recompute after preemption), or any
+        prompt token: a prompt's last token left alone by a chunk is still prompt work (it may
+        be an image token, and the decode path embeds ids only)."""
+        return (
+            self.num_computed_tokens < self.num_prompt_tokens
+            or self.num_tokens - self.num_computed_tokens > 1
+        )
 
     def token_ids(self, start: int, end: int) -> list[int]:
         n = self.num_prompt_tokens

@@ -233,11 +233,12 @@ def test_weight_prefetch_script(tiny_qwen2_vl, results):
     _run(
         "benchmarks.weight_prefetch",
         "--model", str(tiny_qwen2_vl), "--batches", "1", "2", "--distances", "0", "4096",
-        "--rounds", "2", "--steps", "3", "--out", "wp.json",
+        "--gemv-rows", "1", "4", "--rounds", "2", "--steps", "3", "--out", "wp.json",
         results=results,
     )  # fmt: skip
     data = json.loads((results / "wp.json").read_text())
     if data.get("skipped"):
         return  # no native-bf16 build here: the script says so and saves that
     assert set(data["median_step_ms"]) == {"1", "2"}
+    assert all(len(row) == 4 for row in data["median_step_ms"].values())  # 2 limits x 2 distances
     assert all(ms > 0 for row in data["median_step_ms"].values() for ms in row.values())

@@ -58,6 +58,31 @@ def test_chunks_respect_the_budget_and_decodes_come_first(tiny_qwen2_vl):
     assert seen_prefill_with_decode
 
 
+def test_a_prompts_last_token_left_alone_by_a_chunk_is_prefill_not_decode(tiny_qwen2_vl):
+    """A budget one short of the prompt leaves its last token for a one-token chunk: that is
+    still prompt work (counted, traced and run as a prefill; the decode path embeds ids only,
+    so an image token there would lose its embedding), and the output is unchanged."""
+    conv = text_conv("Who is at the gate this morning?")  # text: no wait for an encoder
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    reference = LLM(str(tiny_qwen2_vl), dtype="float32", max_num_batched_tokens=4096)
+    expected = reference.chat([conv], params)[0].outputs[0].token_ids
+    prompt_len = len(reference.engine.process_inputs({"messages": conv}).token_ids)
+
+    llm = LLM(str(tiny_qwen2_vl), dtype="float32", max_num_batched_tokens=prompt_len - 1)
+    eng = llm.engine
+    eng.add_request("gate", conv, params)
+    request = eng.scheduler.requests["gate"]
+    kinds = []
+    while eng.has_unfinished():
+        sched = eng.scheduler.schedule()
+        kinds.append([(c.num_tokens, c.is_decode) for c in sched.chunks])
+        result = eng.runner.execute(sched)
+        eng.scheduler.update_from_output(sched, result.sampled, result.encoder_progress)
+    assert kinds[:2] == [[(prompt_len - 1, False)], [(1, False)]]
+    assert all(step == [(1, True)] for step in kinds[2:]) and len(kinds) == 2 + 3
+    assert request.output_token_ids == expected
+
+
 @pytest.mark.parametrize("kernel", ["lse-merge", "masked"])
 @pytest.mark.parametrize("num_kv_heads,num_heads", [(2, 4), (4, 4)])
 def test_paged_attention_chunks_equal_one_causal_pass(num_kv_heads, num_heads, kernel, monkeypatch):
