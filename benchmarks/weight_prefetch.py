@@ -115,5 +115,6 @@ def main() -> None:
 def variant_name(rows: int, distance: int) -> str:
     return f"gemv<={rows} prefetch {distance} B"
 
+
 if __name__ == "__main__":
     main()

@@ -52,6 +52,12 @@ def cpu_vendor() -> str:
     return cpuinfo_field("vendor_id")
 
 
+def cpu_family() -> int:
+    """The CPU's family number (AMD: 25 for Zen 3/4, 26 for Zen 5); 0 when unknown."""
+    value = cpuinfo_field("cpu family")
+    return int(value) if value.isdigit() else 0
+
+
 def cpu_has_fast_bf16() -> bool:
     """AVX512-BF16 or AMX: bf16 matmuls run 2-8x faster than fp32 on such CPUs."""
     for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):

@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.device import cpu_has_fast_bf16, cpu_vendor, resolve_device, resolve_dtype
+from engine.device import (
+    cpu_family,
+    cpu_has_fast_bf16,
+    cpu_vendor,
+    resolve_device,
+    resolve_dtype,
+)
 
 if TYPE_CHECKING:
     from engine.config import EngineArgs
@@ -45,16 +51,28 @@ ENCODER_ROWS_CPU_OTHER = 256
 FUSED_PROMPT_ROWS_PACKED = 64
 FUSED_PROMPT_ROWS_PANELS = 16
 
-# The native build's row-major GEMV on Intel cores: asking for each weight row 4 KiB ahead
-# keeps memory busy where the hardware prefetcher alone left it idle at every new row (2-core
-# AVX512-BF16 Xeon, bench, in-process in turns: a batch-1 decode step 12.2-12.9 -> 9.6-10.0 ms,
-# ~98 % of the read bandwidth probe; batch 4 17.7 -> 10.9 ms), and with it the GEMV beats
-# oneDNN's packed GEMM up to 16 rows (batch 8: 21.0 -> 14.0 ms, batch 16: 40.7 -> 29.6 ms).
-# On an AVX512-BF16 EPYC (Zen 4) the same prefetch had lost to the hardware's (session 3):
-# there the GEMV stops at 4 rows with no software prefetch, as before.
-NATIVE_PREFETCH_BYTES_INTEL = 4096
-GEMV_ROWS_PREFETCHED = 16
+# The native build's row-major GEMV: asking for each weight row 4 KiB ahead keeps memory busy
+# where the hardware prefetcher alone left it idle at every new row, and with it the GEMV beats
+# oneDNN's packed GEMM up to a dozen rows or more. Measured in turns inside one process
+# (``python -m benchmarks.weight_prefetch``, bench checkpoint, 2 cores):
+# - AVX512-BF16 Xeon (Emerald Rapids): batch 1 12.2-12.9 -> 9.6-10.0 ms, batch 4 17.7 -> 10.9,
+#   the GEMV up to 16 rows (batch 8: 21.0 -> 14.0 ms, batch 16: 40.7 -> 29.6 ms).
+# - AVX512-BF16 EPYC, Zen 5 (family 26): batch 1 6.65 -> 5.96 ms, batch 4 8.36 -> 6.82, batch 8
+#   10.3 (oneDNN) -> 6.3-6.7 (GEMV), batch 12 10.3-10.7 -> 9.1-9.3; at 16 oneDNN wins (10.9-11.3
+#   against 13.8-14.1), so the GEMV stops at 12 rows there.
+# - On a Zen 4 EPYC (family 25) an earlier prefetch had lost to the hardware's (session 3, not
+#   re-measured since): there the GEMV stops at 4 rows with no software prefetch, as before.
+NATIVE_PREFETCH_BYTES = 4096
 GEMV_ROWS_DEFAULT = 4
+
+
+def native_gemv_tuning(vendor: str, family: int) -> tuple[int, int]:
+    """(GEMV row limit, weight prefetch bytes) of the native-bf16 build on this CPU."""
+    if vendor == "GenuineIntel":
+        return 16, NATIVE_PREFETCH_BYTES
+    if vendor == "AuthenticAMD" and family >= 26:
+        return 12, NATIVE_PREFETCH_BYTES
+    return GEMV_ROWS_DEFAULT, 0
 
 
 @dataclass(frozen=True)
@@ -171,11 +189,10 @@ def plan_platform(
     else:
         linear_kind = "bf16-upcast" if emulated else "onednn-packed"
     # bf16 row-major weights only: int8 matrices run their own panels
-    prefetched = (
-        bool(use_kernels)
-        and quantization is None
-        and variant == "native-bf16"
-        and cpu_vendor() == "GenuineIntel"
+    gemv_rows, prefetch_bytes = (
+        native_gemv_tuning(cpu_vendor(), cpu_family())
+        if use_kernels and quantization is None and variant == "native-bf16"
+        else (GEMV_ROWS_DEFAULT, 0)
     )
     return PlatformPlan(
         device=device,
@@ -195,8 +212,8 @@ def plan_platform(
             if linear_kind == "onednn-packed"
             else FUSED_PROMPT_ROWS_PANELS
         ),
-        gemv_max_rows=GEMV_ROWS_PREFETCHED if prefetched else GEMV_ROWS_DEFAULT,
-        weight_prefetch_bytes=NATIVE_PREFETCH_BYTES_INTEL if prefetched else 0,
+        gemv_max_rows=gemv_rows,
+        weight_prefetch_bytes=prefetch_bytes,
     )
 
 

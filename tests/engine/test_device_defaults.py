@@ -82,9 +82,16 @@ def test_the_platform_plan_decides_together(monkeypatch) -> None:
     assert fast.use_cpu_kernels and not fast.emulated_bf16
     # prompt steps ride the fused kernel up to 64 rows over oneDNN's GEMM, 16 over panels
     assert fast.fused_prompt_rows == 64 and "fused_prompt_rows=64" in fast.describe()
-    # the native GEMV prefetches weights and takes 16 rows on Intel, neither on AMD
-    for vendor, rows, ahead in (("GenuineIntel", 16, 4096), ("AuthenticAMD", 4, 0)):
+    # the native GEMV prefetches weights and takes 16 rows on Intel, 12 on Zen 5, neither on
+    # Zen 4 (family 25) nor on a CPU nobody measured
+    for vendor, family, rows, ahead in (
+        ("GenuineIntel", 6, 16, 4096),
+        ("AuthenticAMD", 26, 12, 4096),
+        ("AuthenticAMD", 25, 4, 0),
+        ("", 0, 4, 0),
+    ):
         monkeypatch.setattr("engine.platform.cpu_vendor", lambda vendor=vendor: vendor)
+        monkeypatch.setattr("engine.platform.cpu_family", lambda family=family: family)
         native = _plan(monkeypatch, True, variant="native-bf16")
         assert (native.gemv_max_rows, native.weight_prefetch_bytes) == (rows, ahead)
         assert f"weight_prefetch={ahead}" in native.describe()
