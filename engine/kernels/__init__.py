@@ -43,7 +43,8 @@ _FLAGS = ["-O3", "-fopenmp"]
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
 # variant -> the instruction-set flags that select its traits header (isa.h)
 VARIANTS = {
-    "native-bf16": [*_AVX512, "-mavx512bf16"],
+    # every AVX512-BF16 CPU also has AVX512-VNNI (the int8 panels' int16 dot product)
+    "native-bf16": [*_AVX512, "-mavx512bf16", "-mavx512vnni"],
     "emulated-bf16": _AVX512,
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
 }
@@ -137,6 +138,10 @@ def cpu_supports_avx512_bf16() -> bool:
     return _cpu_probe("_is_avx512_bf16_supported")
 
 
+def cpu_supports_avx512_vnni() -> bool:
+    return _cpu_probe("_is_vnni_supported")
+
+
 def cpu_supports_avx512() -> bool:
     """AVX-512 F/BW/VL/DQ, as PyTorch's own AVX512 kernels require."""
     return _cpu_probe("_is_avx512_supported")
@@ -150,7 +155,8 @@ def cpu_supports_avx2() -> bool:
 def cpu_variant() -> str | None:
     """The kernel variant this CPU runs (a key of :data:`VARIANTS`), or ``None``."""
     if cpu_supports_avx512():
-        return "native-bf16" if cpu_supports_avx512_bf16() else "emulated-bf16"
+        native = cpu_supports_avx512_bf16() and cpu_supports_avx512_vnni()
+        return "native-bf16" if native else "emulated-bf16"
     if cpu_supports_avx2():
         return "avx2"
     return None

@@ -343,17 +343,27 @@ inline std::vector<PanelBlock> panel_blocks(int M, int full_rows, int half_rows)
   return out;
 }
 
+// k per int8 panel row: 1 where weights are widened to fp32, a pair where the int16 dot product
+// takes them (that build's panel holds (w[f][2i], w[f][2i + 1]) side by side, K padded to even)
+#ifdef VS_I16_DOT
+constexpr int64_t kI8PanelK = 2;
+#else
+constexpr int64_t kI8PanelK = 1;
+#endif
+inline int64_t i8_panel_k(int64_t K) { return (K + kI8PanelK - 1) / kI8PanelK * kI8PanelK; }
+
 // w rows [row0, row0 + rows) as int8 panels, written to ``dst``
 void pack_panels_i8(const at::Tensor& w, int64_t row0, int64_t rows, int8_t* dst) {
-  const int64_t K = w.size(1), P = (rows + kPanel - 1) / kPanel;
+  const int64_t K = w.size(1), Kp = i8_panel_k(K), P = (rows + kPanel - 1) / kPanel;
   const int8_t* src = w.data_ptr<int8_t>() + row0 * K;
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
-      int8_t* panel = dst + p * K * kPanel;
-      std::memset(panel, 0, K * kPanel);
+      int8_t* panel = dst + p * Kp * kPanel;
+      std::memset(panel, 0, Kp * kPanel);
       for (int64_t f = 0; f < kPanel && p * kPanel + f < rows; ++f) {
         const int8_t* row = src + (p * kPanel + f) * K;
-        for (int64_t k = 0; k < K; ++k) panel[k * kPanel + f] = row[k];
+        for (int64_t k = 0; k < K; ++k)
+          panel[(k / kI8PanelK * kPanel + f) * kI8PanelK + k % kI8PanelK] = row[k];
       }
     }
   });
@@ -399,6 +409,58 @@ __attribute__((noinline)) void panel_block_i8(const float* x, int64_t K, const i
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) vs::store(acc_io[r] + 16 * (h0 + v), acc[0][r][v]);
 }
+
+#ifdef VS_I16_DOT
+// k per int8 panel pass (kPanelChunkBytes of a panel) and per activation scale: 256 k of int16 x
+// int8 products sum in int32 without overflow (256 * 32767 * 128 < 2^31)
+constexpr int64_t kI8ChunkK = 8192 / kPanel;  // kPanelChunkBytes / kPanel (checked below)
+
+// panel_block_i8 with the int16 dot product, over k pairs [i0, i1) (one 256-k chunk at most):
+// activations are int16 (row stride Kp) with one scale per row for this chunk (scale[r *
+// scale_stride]); the int32 sums leave the registers once, scaled, into the fp32 ``acc_io``.
+// Per 32 weights of a row: a sign extension and one vpdpwssd, where the fp32 path takes
+// two conversions and two FMAs -- at 8 rows the FMAs were the limit (int8 decode steps barely
+// faster than bf16 ones on a Zen 5), at 1 row the widening.
+template <int R, int V, int S>
+__attribute__((noinline)) void panel_block_i8x16(const int16_t* xq, int64_t Kp,
+                                                 const int8_t* panel, int h0, int64_t i0,
+                                                 int64_t i1, const float* scale,
+                                                 int64_t scale_stride, bool first, bool prefetch,
+                                                 float (*acc_io)[kPanel]) {
+  vs::vi acc[S][R][V];
+  for (int s = 0; s < S; ++s)
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) acc[s][r][v] = vs::izero();
+  auto step = [&](int s, int64_t i) {
+    const int8_t* wp = panel + i * 2 * kPanel;
+    vs::vi w[V];
+    for (int v = 0; v < V; ++v) w[v] = vs::load_i8_pairs(wp + 32 * (h0 + v));
+    for (int r = 0; r < R; ++r) {
+      const vs::vi xb = vs::broadcast_i16_pair(xq + r * Kp + 2 * i);
+      for (int v = 0; v < V; ++v) acc[s][r][v] = vs::dot_i16(acc[s][r][v], w[v], xb);
+    }
+  };
+  int64_t i = i0;
+  for (; i + S <= i1; i += S) {
+    for (int u = 0; u < S; ++u) {
+      // one 64-byte line of the panel per pair: prefetched 8 KiB ahead, as the other panels
+      if (prefetch) __builtin_prefetch(panel + (i + u) * 2 * kPanel + 8192);
+      step(u, i + u);
+    }
+  }
+  for (; i < i1; ++i) step(0, i);
+  for (int s = 1; s < S; ++s)
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) acc[0][r][v] = vs::iadd(acc[0][r][v], acc[s][r][v]);
+  for (int r = 0; r < R; ++r) {
+    const vf sc = vs::set1(scale[r * scale_stride]);
+    for (int v = 0; v < V; ++v) {
+      float* out = acc_io[r] + 16 * (h0 + v);
+      vs::store(out, vs::fmadd(vs::to_float(acc[0][r][v]), sc, first ? vs::zero() : vs::load(out)));
+    }
+  }
+}
+#endif
 
 #ifndef VS_BF16_DOT
 // w rows [row0, row0 + rows) as bf16 panels, written to ``dst``
@@ -466,6 +528,9 @@ __attribute__((noinline)) void panel_block(const float* x, int64_t K, const uint
 // from memory by the first block and from L1 by the others (block by block over the whole
 // panel, the first block alone streamed the weights, faster than memory could deliver them)
 constexpr int64_t kPanelChunkBytes = 8192;
+#ifdef VS_I16_DOT
+static_assert(kI8ChunkK == kPanelChunkBytes / kPanel, "one activation scale per int8 panel pass");
+#endif
 
 // A panel kernel for R rows, V halves: a function pointer per (R, V), so that the blocks of a
 // call are planned once and the kernels keep their accumulators in registers
@@ -495,6 +560,33 @@ PanelKernel<int8_t> i8_kernel_for(int R, int V) {
   return i8_kernel<2, 1>(R);
 }
 
+#ifdef VS_I16_DOT
+using PanelKernelI16 = void (*)(const int16_t*, int64_t, const int8_t*, int, int64_t, int64_t,
+                                const float*, int64_t, bool, bool, float (*)[kPanel]);
+
+template <int V, int S>
+PanelKernelI16 i16_kernel(int R) {
+  switch (R) {
+    case 1: return &panel_block_i8x16<1, V, S>;
+    case 2: return &panel_block_i8x16<2, V, S>;
+    case 3: return &panel_block_i8x16<3, V, S>;
+    case 4: return &panel_block_i8x16<4, V, S>;
+    case 5: return &panel_block_i8x16<5, V, S>;
+    case 6: return &panel_block_i8x16<6, V, S>;
+    case 7: return &panel_block_i8x16<7, V, S>;
+    default: return &panel_block_i8x16<8, V, S>;
+  }
+}
+
+// as i8_kernel_for: at 1-2 rows, enough accumulator sets for 8 independent chains
+PanelKernelI16 i16_kernel_for(int R, int V) {
+  if (V == 1) return i16_kernel<1, 1>(R);
+  if (R == 1) return i16_kernel<2, 4>(1);
+  if (R == 2) return i16_kernel<2, 2>(2);
+  return i16_kernel<2, 1>(R);
+}
+#endif
+
 #ifndef VS_BF16_DOT
 template <int V>
 PanelKernel<uint16_t> bf16_kernel(int R) {
@@ -511,11 +603,72 @@ PanelKernel<uint16_t> bf16_kernel(int R) {
 }
 #endif
 
-// acc[m][n - n0] for the features of panels [p0, p1) (n0 = 32 p0), all M rows of x (fp32);
+// A step's activation rows as the panel kernels read them: widened to fp32, or, for int8
+// panels in builds with the int16 dot product, rounded to int16 with one fp32 scale per row and
+// kI8ChunkK k (that stretch's largest |x| / 32767). Every value keeps 15 bits against its
+// stretch's largest, where bf16 itself keeps 8 against the value: the int8 weights' own
+// rounding (1/254 of a channel's largest) stays what separates int8 from bf16 output.
+struct PanelInput {
+  int M = 0;
+  int64_t K = 0;
+  std::vector<float> xf;  // [M, K]: fp32 kernels
+  std::vector<int16_t> xq;  // [M, Kp]: int16 dot product (Kp = K padded to even, zeros)
+  std::vector<float> xs;    // [M, chunks]: the scale of each row's stretch of kI8ChunkK k
+  int64_t Kp = 0, chunks = 0;
+};
+
+std::vector<float> widen_rows(int M, const bf16* x, int64_t K) {
+  std::vector<float> xf(static_cast<size_t>(M) * K);
+  for (int64_t i = 0; i < M * K; i += 16) {
+    const int64_t k = M * K - i;
+    vs::store(xf.data() + i, vs::load_bf16(x + i, k), k);
+  }
+  return xf;
+}
+
+PanelInput panel_input(int M, const bf16* x, const Panels& w) {
+  PanelInput in;
+  in.M = M;
+  in.K = w.K;
+#ifdef VS_I16_DOT
+  if (w.int8) {
+    const int64_t K = w.K;
+    in.Kp = i8_panel_k(K);
+    in.chunks = (K + kI8ChunkK - 1) / kI8ChunkK;
+    in.xq.assign(static_cast<size_t>(M) * in.Kp, 0);
+    in.xs.resize(static_cast<size_t>(M) * in.chunks);
+    for (int m = 0; m < M; ++m) {
+      const bf16* row = x + m * K;
+      for (int64_t c = 0; c < in.chunks; ++c) {
+        const int64_t k0 = c * kI8ChunkK, k1 = std::min(K, k0 + kI8ChunkK);
+        vf amax = vs::zero();
+        for (int64_t k = k0; k < k1; k += 16) {
+          const vf v = vs::load_bf16(row + k, k1 - k);
+          amax = vs::max(amax, vs::max(v, vs::sub(vs::zero(), v)));
+        }
+        const float a = vs::reduce_max(amax);
+        const bool nonzero = a > 0.f;  // NaN compares false: zeros, then a NaN scale
+        in.xs[m * in.chunks + c] = nonzero ? a / 32767.f : (a == 0.f ? 0.f : a);
+        const vf inv = vs::set1(nonzero ? 32767.f / a : 0.f);
+        for (int64_t k = k0; k < k1; k += 16)
+          vs::store_i16(in.xq.data() + m * in.Kp + k, vs::mul(vs::load_bf16(row + k, k1 - k), inv),
+                        k1 - k);
+      }
+    }
+    return in;
+  }
+#endif
+  in.xf = widen_rows(M, x, w.K);
+  return in;
+}
+
+// acc[m][n - n0] for the features of panels [p0, p1) (n0 = 32 p0), all rows of ``in``;
 // int8 panels apply their scales here, so every epilogue sees the product itself
-void panel_rows(const float* x, int M, const Panels& w, int64_t p0, int64_t p1, float* acc,
+void panel_rows(const PanelInput& in, const Panels& w, int64_t p0, int64_t p1, float* acc,
                 int64_t ld_acc) {
+  const int M = in.M;
   const int64_t K = w.K;
+  const bool i16 = !in.xq.empty();
   thread_local std::vector<float> sums;
   sums.resize(static_cast<size_t>(M) * kPanel);
   float(*rows_acc)[kPanel] = reinterpret_cast<float(*)[kPanel]>(sums.data());
@@ -525,11 +678,18 @@ void panel_rows(const float* x, int M, const Panels& w, int64_t p0, int64_t p1, 
     PanelBlock b;
     PanelKernel<int8_t> i8;
     PanelKernel<uint16_t> b16;
+#ifdef VS_I16_DOT
+    PanelKernelI16 i8x16;
+#endif
   };
   std::vector<Planned> plan;
   for (const PanelBlock& b : blocks) {
-    Planned p{b, nullptr, nullptr};
+    Planned p{};
+    p.b = b;
     if (w.int8) {
+#ifdef VS_I16_DOT
+      p.i8x16 = i16_kernel_for(b.rows, b.V);
+#endif
       p.i8 = i8_kernel_for(b.rows, b.V);
     } else {
 #ifdef VS_BF16_DOT
@@ -540,9 +700,11 @@ void panel_rows(const float* x, int M, const Panels& w, int64_t p0, int64_t p1, 
     }
     plan.push_back(p);
   }
-  // per pass: k (int8, 32 bytes each) or k pairs (bf16, 128 bytes each)
-  const int64_t steps = w.int8 ? K : K / 2;
-  const int64_t chunk = kPanelChunkBytes / (w.int8 ? kPanel : 4 * kPanel);
+  // per pass: k (int8, 32 bytes each), k pairs (int8 for the int16 dot product, 64 bytes each;
+  // bf16, 128 bytes each)
+  const int64_t steps = i16 ? in.Kp / 2 : w.int8 ? K : K / 2;
+  const int64_t chunk = kPanelChunkBytes / (i16 ? 2 * kPanel : w.int8 ? kPanel : 4 * kPanel);
+  const int64_t panel_k = w.int8 ? i8_panel_k(K) : K;
   const float* scales = w.int8 ? w.scales.data_ptr<float>() : nullptr;
   for (int64_t p = p0; p < p1; ++p) {
     for (int64_t i0 = 0; i0 < steps; i0 += chunk) {
@@ -550,14 +712,23 @@ void panel_rows(const float* x, int M, const Panels& w, int64_t p0, int64_t p1, 
       for (size_t j = 0; j < plan.size(); ++j) {
         const PanelBlock& b = plan[j].b;
         const bool first = i0 == 0, prefetch = j == 0;
-        const float* xr = x + b.m0 * K;
         if (w.int8) {
-          const int8_t* panel = static_cast<const int8_t*>(w.data.data_ptr()) + p * K * kPanel;
-          plan[j].i8(xr, K, panel, b.h0, i0, i1, first, prefetch, rows_acc + b.m0);
+          const int8_t* panel = static_cast<const int8_t*>(w.data.data_ptr()) + p * panel_k * kPanel;
+#ifdef VS_I16_DOT
+          if (i16) {
+            plan[j].i8x16(in.xq.data() + b.m0 * in.Kp, in.Kp, panel, b.h0, i0, i1,
+                          in.xs.data() + b.m0 * in.chunks + i0 / chunk, in.chunks, first,
+                          prefetch, rows_acc + b.m0);
+            continue;
+          }
+#endif
+          plan[j].i8(in.xf.data() + b.m0 * K, K, panel, b.h0, i0, i1, first, prefetch,
+                     rows_acc + b.m0);
         } else {
           const uint16_t* panel =
               static_cast<const uint16_t*>(w.data.data_ptr()) + p * (K / 2) * 2 * kPanel;
-          plan[j].b16(xr, K, panel, b.h0, i0, i1, first, prefetch, rows_acc + b.m0);
+          plan[j].b16(in.xf.data() + b.m0 * K, K, panel, b.h0, i0, i1, first, prefetch,
+                      rows_acc + b.m0);
         }
       }
     }
@@ -577,24 +748,15 @@ void panel_rows(const float* x, int M, const Panels& w, int64_t p0, int64_t p1, 
   }
 }
 
-std::vector<float> widen_rows(int M, const bf16* x, int64_t K) {
-  std::vector<float> xf(static_cast<size_t>(M) * K);
-  for (int64_t i = 0; i < M * K; i += 16) {
-    const int64_t k = M * K - i;
-    vs::store(xf.data() + i, vs::load_bf16(x + i, k), k);
-  }
-  return xf;
-}
-
 // Runs ``epilogue(n0, n1, acc)`` over the panels in parallel, as matvec does over rows
 template <typename Epilogue>
 void matvec_panels(int M, const bf16* x, const Panels& w, Epilogue epilogue) {
-  const std::vector<float> xf = widen_rows(M, x, w.K);
+  const PanelInput in = panel_input(M, x, w);
   at::parallel_for(0, (w.N + kPanel - 1) / kPanel, 1, [&](int64_t p0, int64_t p1) {
     const int64_t n0 = p0 * kPanel, n1 = std::min(w.N, p1 * kPanel);
     thread_local std::vector<float> acc;  // reused: a fresh MiB per call churned malloc
     acc.resize(static_cast<size_t>(M) * (n1 - n0));
-    panel_rows(xf.data(), M, w, p0, p1, acc.data(), n1 - n0);
+    panel_rows(in, w, p0, p1, acc.data(), n1 - n0);
     epilogue(n0, n1, acc.data());
   });
 }
@@ -1218,14 +1380,14 @@ class FusedDecoder {
       linear(M, attn_t, L.o_w, L.o_p, L.o_n, H, add_to_residual);
       norm_rows(L.ln2.data_ptr<bf16>());
       if (use_panels(M, L.gate_n)) {
-        const std::vector<float> hf = widen_rows(M, h, H);
+        const PanelInput hin = panel_input(M, h, L.gate_n);
         at::parallel_for(0, (I + kPanel - 1) / kPanel, 1, [&](int64_t p0, int64_t p1) {
           const int64_t n0 = p0 * kPanel, n = std::min(I, p1 * kPanel) - n0;
           thread_local std::vector<float> g, u;
           g.resize(static_cast<size_t>(M) * n);
           u.resize(static_cast<size_t>(M) * n);
-          panel_rows(hf.data(), M, L.gate_n, p0, p1, g.data(), n);
-          panel_rows(hf.data(), M, L.up_n, p0, p1, u.data(), n);
+          panel_rows(hin, L.gate_n, p0, p1, g.data(), n);
+          panel_rows(hin, L.up_n, p0, p1, u.data(), n);
           for (int m = 0; m < M; ++m) silu_mul_row(&g[m * n], &u[m * n], act + m * I + n0, n);
         });
       } else if (M <= gemv_max_rows_ || !packed_) {
@@ -1305,7 +1467,7 @@ class FusedDecoder {
     specs.push_back({&lm_head_n_, &lm_head_, &lm_head_s_, 0, lm_head_.size(0)});
     auto bytes = [](const Spec& s) -> size_t {  // 64-byte multiples: every panel stays aligned
       const int64_t P = (s.rows + kPanel - 1) / kPanel, K = s.w->size(1);
-      if (s.w->scalar_type() == at::kChar) return P * K * kPanel;
+      if (s.w->scalar_type() == at::kChar) return P * i8_panel_k(K) * kPanel;
 #ifdef VS_BF16_DOT
       return 0;  // bf16 matrices: the dot product reads their rows as they are
 #else
@@ -1320,7 +1482,8 @@ class FusedDecoder {
       const int64_t K = s.w->size(1), P = (s.rows + kPanel - 1) / kPanel;
       if (s.w->scalar_type() == at::kChar) {
         pack_panels_i8(*s.w, s.row0, s.rows, reinterpret_cast<int8_t*>(dst));
-        s.out->data = at::from_blob(dst, {P, K, kPanel}, [arena](void*) {}, s.w->options());
+        s.out->data = at::from_blob(dst, {P, i8_panel_k(K), kPanel}, [arena](void*) {},
+                                    s.w->options());
         s.out->scales = s.scales->narrow(0, s.row0, s.rows).contiguous();
         s.out->int8 = true;
       } else {
@@ -1519,7 +1682,7 @@ class PanelGemv {
       TORCH_CHECK(scales.has_value(), "int8 weights need their scales");
       panels_.scales = scales->to(at::kFloat).contiguous();
       check_matrix(w, panels_.scales, "w");
-      panels_.data = at::empty({P, K, kPanel}, w.options());
+      panels_.data = at::empty({P, i8_panel_k(K), kPanel}, w.options());
       panels_.int8 = true;
       pack_panels_i8(w, 0, N, panels_.data.data_ptr<int8_t>());
     } else {
@@ -1589,6 +1752,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("bf16_dot") = true;
 #else
   m.attr("bf16_dot") = false;
+#endif
+  // int8 panels take int16 activations (one scale per row and 256 k: panel_input)
+#ifdef VS_I16_DOT
+  m.attr("int8_i16_activations") = true;
+#else
+  m.attr("int8_i16_activations") = false;
 #endif
   pybind11::class_<FusedDecoder>(m, "FusedDecoder")
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor,

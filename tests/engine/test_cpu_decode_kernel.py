@@ -26,6 +26,7 @@ def test_the_loaded_build_is_this_cpus_variant() -> None:
     variant = cpu_variant()
     assert kernels.isa == ("avx2" if variant == "avx2" else "avx512")
     assert kernels.bf16_dot == (variant == "native-bf16")
+    assert kernels.int8_i16_activations == (variant == "native-bf16")  # built with VNNI
 
 
 @pytest.mark.parametrize("rows", [*range(1, 9), 12, 16])

@@ -30,15 +30,17 @@ def test_kernel_variant_follows_the_instruction_set(monkeypatch) -> None:
     compile check covers the others."""
     import engine.kernels as kernels
 
-    cases = [
-        ((True, True, True), "native-bf16"),
-        ((True, False, True), "emulated-bf16"),
-        ((False, False, True), "avx2"),
-        ((False, False, False), None),
+    cases = [  # (avx512, bf16, vnni, avx2): the native build needs AVX512-BF16 and VNNI
+        ((True, True, True, True), "native-bf16"),
+        ((True, True, False, True), "emulated-bf16"),
+        ((True, False, True, True), "emulated-bf16"),
+        ((False, False, False, True), "avx2"),
+        ((False, False, False, False), None),
     ]
-    for (avx512, bf16, avx2), want in cases:
+    for (avx512, bf16, vnni, avx2), want in cases:
         monkeypatch.setattr(kernels, "cpu_supports_avx512", lambda v=avx512: v)
         monkeypatch.setattr(kernels, "cpu_supports_avx512_bf16", lambda v=bf16: v)
+        monkeypatch.setattr(kernels, "cpu_supports_avx512_vnni", lambda v=vnni: v)
         monkeypatch.setattr(kernels, "cpu_supports_avx2", lambda v=avx2: v)
         assert kernels.cpu_variant() == want
         assert set(kernels.variants_not_loaded()) == set(kernels.VARIANTS) - {want}

@@ -120,14 +120,30 @@ needs_decode_kernel = pytest.mark.skipif(
 def test_int8_panels_compute_with_the_dequantized_weight(rows, n, k) -> None:
     """The fused step's int8 GEMV (panels, any row count): a last panel short of 32 features,
     odd K, K past one 256-k chunk, every row-block shape (1-2 rows both panel halves, more in
-    half blocks on AVX2). Only the fp32 summation order differs from x @ (q * s).T."""
+    half blocks on AVX2). Where activations are widened to fp32 only the summation order
+    differs from x @ (q * s).T; where the build rounds them to int16 (one scale per row and
+    256 k), each output moves by at most half a step of that rounding per term, no more."""
+    kernels = load_cpu_decode()
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=gen).bfloat16()
     q, scales = quantize_int8(torch.randn(n, k, generator=gen))
-    got = load_cpu_decode().PanelGemv(q, scales).forward(x)
-    want = x.float() @ (q.float() * scales[:, None]).T
+    got = kernels.PanelGemv(q, scales).forward(x)
+    w = q.float() * scales[:, None]
+    want = x.float() @ w.T
     assert got.dtype == torch.float32 and got.shape == (rows, n)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6 * k)
+    atol = 2e-6 * k
+    if kernels.int8_i16_activations:
+        stretch_max = torch.cat(
+            [c.abs().amax(dim=1, keepdim=True).expand_as(c) for c in x.float().split(256, dim=1)],
+            dim=1,
+        )
+        half_step = stretch_max / 32767 / 2  # [rows, k]
+        rounding = half_step @ w.abs().T  # [rows, n]: the worst case of every term at once
+        assert (got - want).abs().le(rounding * 1.01 + atol).all()
+        # and not merely inside the worst case: the typical error is far below it
+        assert ((got - want).norm() / want.norm()).item() < 1e-4
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=atol)
 
 
 @pytest.fixture(scope="module")
@@ -183,17 +199,25 @@ def test_fused_int8_greedy_tokens_equal_the_eager_int8_path(bf16_int8) -> None:
 def test_fused_int8_with_chunked_prefill_and_preemption(tiny_qwen2_vl) -> None:
     """A KV pool too small for all requests (preemption, recompute) and 16-token prompt
     chunks: the int8 fused step serves the decodes, every request finishes, every block comes
-    back, and the tokens are the roomy run's (recomputed keys are bf16 products of another
-    path, so a near-tie may flip: most, not all)."""
+    back, and the tokens are the roomy run's up to a near-tie: recomputed keys are bf16
+    products of another path, so where the roomy run's best two logits lay within two bf16
+    steps (this checkpoint's logits are ~16-32: a step is 0.125) a sequence may take the
+    other one, and nowhere else."""
     convs = [text_conv(f"request number {i}: describe the scene " * (1 + i % 3)) for i in range(6)]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     kw = {"dtype": "bfloat16", "quantization": "int8", "block_size": 4}
     roomy = LLM(str(tiny_qwen2_vl), **kw)
-    want = [o.outputs[0].token_ids for o in roomy.chat(convs, params)]
+    want = [o.outputs[0] for o in roomy.chat(convs, params)]
     tight = LLM(str(tiny_qwen2_vl), num_kv_blocks=40, max_num_batched_tokens=16, **kw)
     got = [o.outputs[0].token_ids for o in tight.chat(convs, params)]
     stats = tight.engine.get_stats()
     assert stats.num_preemptions > 0 and stats.kv_blocks_used == 0
     assert tight.engine.runner.fused_decode_steps > 0
-    same = sum(a == b for w, g in zip(want, got, strict=True) for a, b in zip(w, g, strict=True))
-    assert same / sum(len(w) for w in want) >= 0.9
+    for w, g in zip(want, got, strict=True):
+        assert len(g) == len(w.token_ids)
+        first = next(
+            (i for i, (a, b) in enumerate(zip(w.token_ids, g, strict=True)) if a != b), None
+        )
+        if first is not None:
+            (_, best), (_, second) = w.logprobs[first].top[:2]
+            assert best - second <= 0.25, f"token {first} changed at a margin of {best - second}"

@@ -4,6 +4,7 @@ quietly slower (each call site falls back when the op is missing or raises).
 
 No public API does what these do (checked against torch 2.14):
 - ``torch.cpu._is_avx2_supported`` / ``_is_avx512_supported`` / ``_is_avx512_bf16_supported`` /
+  ``_is_vnni_supported`` (AVX512-VNNI) /
   ``_is_amx_tile_supported`` (engine/kernels/__init__.py, engine/device.py): the public
   ``torch.backends.cpu.get_cpu_capability()`` names the AVX2/AVX512 level only, says nothing
   of AVX512-BF16 or AMX, and follows the ``ATEN_CPU_CAPABILITY`` override rather than the CPU.
@@ -50,6 +51,7 @@ PROBES = {
     "_is_avx2_supported": {"avx2", "fma"},
     "_is_avx512_supported": {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
     "_is_avx512_bf16_supported": {"avx512_bf16"},
+    "_is_vnni_supported": {"avx512_vnni"},
     "_is_amx_tile_supported": {"amx_tile"},
 }
 
