@@ -153,7 +153,11 @@ class ModelRunner:
         kernels = load_cpu_decode() if weights is not None else None
         if kernels is None:
             return None
-        if hasattr(kernels, "set_weight_prefetch"):  # process-wide: one plan per process
+        # process-wide, read by the bf16 row-major GEMV only: an int8 engine (panels) leaves
+        # the setting of a bf16 engine in the same process alone (benchmarks.int8 times the
+        # two in turns; resetting it there had slowed the bf16 side's batch-8 steps by half)
+        int8 = getattr(self.model, "decode_kernel_scales", None) is not None
+        if hasattr(kernels, "set_weight_prefetch") and not int8:
             kernels.set_weight_prefetch(self.weight_prefetch_bytes)
         packed = self.model.packed_decoder_weights()  # None when oneDNN packing is off
         per_layer = 7

@@ -111,7 +111,8 @@ def load_model(
         log.info("replaced %d vision linears for the CPU", replaced)
     if plan.quantization == "int8":
         # the head too: on small models it is a quarter of the weight bytes a step reads
-        replaced = quantize_linears(model, skip_prefixes=("visual",))
+        bf16_products = plan.bf16_arithmetic and plan.dtype == torch.bfloat16
+        replaced = quantize_linears(model, skip_prefixes=("visual",), bf16_products=bf16_products)
         log.info("replaced %d decoder linears (weight-only int8)", replaced)
         if kernels is not None:  # the fused decode step reads the same int8 weights
             model.decode_kernel_weights_hp, model.decode_kernel_scales = model.int8_decode_weights()

@@ -144,11 +144,12 @@ def test_int8_script(tiny_qwen2_vl, results):
     _run(
         "benchmarks.int8",
         "--model", str(tiny_qwen2_vl), "--steps", "2", "--prompts", "2", "--max-tokens", "4",
-        "--batches", "1", "2",
+        "--batches", "1", "2", "--rounds", "2",
         results=results,
     )  # fmt: skip
     data = json.loads((results / "int8.json").read_text())
     assert data["int8"]["weight_mb_per_step"] < data["baseline"]["weight_mb_per_step"]
+    assert all(len(v) == 2 for v in data["int8"]["decode_step_ms_rounds"].values())
     assert 0 <= data["agreement"]["token_agreement"] <= 1
 
 

@@ -49,6 +49,14 @@ def test_layer_matches_its_dequantized_weight_with_and_without_the_kernel(rows, 
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # bf16 activations come back as bf16
     assert layers[-1](x.bfloat16()).dtype == torch.bfloat16
+    # where bf16 arithmetic is native, prefill-sized bf16 products take bf16 x int8-as-bf16:
+    # the same product up to one more bf16 rounding of it
+    native = Int8Linear(lin, kernels, bf16_products=True)
+    xb = x.bfloat16()
+    want_b = torch.nn.functional.linear(xb.float(), layers[0].dequantize(), layers[0].bias)
+    got_b = native(xb)
+    assert got_b.dtype == torch.bfloat16
+    torch.testing.assert_close(got_b.float(), want_b, rtol=2**-7, atol=1e-2)
 
 
 def test_quantization_flag_is_validated() -> None:
@@ -181,18 +189,36 @@ def test_fused_int8_step_logits_match_the_eager_int8_path(bf16_int8) -> None:
     runner._forward_and_sample = pairs._forward
 
 
+def assert_same_up_to_near_ties(want, got: list[list[int]], margin: float = 0.25) -> None:
+    """``got`` repeats ``want``'s greedy tokens (outputs with logprobs=2) up to the first
+    place where want's best two logits lay within ``margin`` (two bf16 steps of this
+    checkpoint's ~16-32 logits): there another path's roundings may take the other one."""
+    for w, g in zip(want, got, strict=True):
+        assert len(g) == len(w.token_ids)
+        pairs = zip(w.token_ids, g, strict=True)
+        first = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+        if first is not None:
+            (_, best), (_, second) = w.logprobs[first].top[:2]
+            assert best - second <= margin, f"token {first} changed at a margin of {best - second}"
+
+
 @needs_decode_kernel
 def test_fused_int8_greedy_tokens_equal_the_eager_int8_path(bf16_int8) -> None:
+    """Same tokens but for near-ties: the fused step rounds activations to int16 (one scale
+    per 256 k) where the eager GEMV widens them, and prompt chunks past 16 rows run bf16
+    products in both."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     runner = bf16_int8.engine.runner
     before = runner.fused_decode_steps
-    fused = [o.outputs[0].token_ids for o in bf16_int8.chat(PROMPTS, GREEDY)]
+    fused = [o.outputs[0] for o in bf16_int8.chat(PROMPTS, params)]
     assert runner.fused_decode_steps > before
     decoder, runner.fused_decoder = runner.fused_decoder, None
     try:
-        eager = [o.outputs[0].token_ids for o in bf16_int8.chat(PROMPTS, GREEDY)]
+        eager = [o.outputs[0].token_ids for o in bf16_int8.chat(PROMPTS, params)]
     finally:
         runner.fused_decoder = decoder
-    assert fused == eager
+    assert_same_up_to_near_ties(fused, eager)
+    assert sum(f.token_ids == e for f, e in zip(fused, eager, strict=True)) >= len(PROMPTS) // 2
 
 
 @needs_decode_kernel
@@ -213,11 +239,4 @@ def test_fused_int8_with_chunked_prefill_and_preemption(tiny_qwen2_vl) -> None:
     stats = tight.engine.get_stats()
     assert stats.num_preemptions > 0 and stats.kv_blocks_used == 0
     assert tight.engine.runner.fused_decode_steps > 0
-    for w, g in zip(want, got, strict=True):
-        assert len(g) == len(w.token_ids)
-        first = next(
-            (i for i, (a, b) in enumerate(zip(w.token_ids, g, strict=True)) if a != b), None
-        )
-        if first is not None:
-            (_, best), (_, second) = w.logprobs[first].top[:2]
-            assert best - second <= 0.25, f"token {first} changed at a margin of {best - second}"
+    assert_same_up_to_near_ties(want, got)
