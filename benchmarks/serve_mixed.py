@@ -33,6 +33,7 @@ import io
 import itertools
 import os
 import random
+import shlex
 import signal
 import socket
 import statistics
@@ -148,7 +149,7 @@ def server_command(mode: str, model: Path, port: int, args) -> tuple[list[str], 
         cmd += ["--quantization", "int8"]
     elif variant:
         raise SystemExit(f"unknown mode variant {variant!r}")
-    return cmd, True
+    return cmd + shlex.split(args.server_args), True
 
 
 @contextmanager
@@ -619,7 +620,16 @@ def main() -> None:
         help="capacity also needs camera TTFT p50 under this: frames must keep up",
     )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="serve_mixed")
+    ap.add_argument(
+        "--out",
+        default="serve_mixed",
+        help="results name (under results/) or path; .json and the plots get their suffixes",
+    )
+    ap.add_argument(
+        "--server-args",
+        default="",
+        help="more flags for our server in every mode, e.g. '--step-trace results/steps.jsonl'",
+    )
     args = ap.parse_args()
     args.capacity_rates = [float(x) for x in args.capacity_rates.split(",") if x]
     args.slo_itl_ms = [float(x) for x in str(args.slo_itl_ms).split(",") if x]
@@ -641,9 +651,11 @@ def main() -> None:
         "\nratios:",
         {k: (round(v, 2) if isinstance(v, float) else v) for k, v in summary["ratios"].items()},
     )
-    save_json(f"{args.out}.json", summary)
+    stem = Path(args.out.removesuffix(".json"))
+    stem = stem if stem.parent != Path(".") else RESULTS / stem
+    save_json(f"{stem}.json", summary)
     if ok:
-        for p in plot(ok, RESULTS / args.out):
+        for p in plot(ok, stem):
             log(f"saved {p}")
 
 

@@ -70,10 +70,13 @@ def test_serve_mixed_script(tiny_qwen2_vl, results):
         "--chat-min-tokens", "4", "--chat-max-tokens", "6", "--num-cameras", "2",
         "--camera-rate", "inf", "--camera-tokens", "2", "--image-size", "112x112",
         "--warmup-s", "0", "--alone-min-s", "0", "--capacity-rates", "4",
-        "--capacity-cameras", "1", "--out", "m",
+        "--capacity-cameras", "1", "--out", str(results / "mixed" / "m.json"),
         "--slo-itl-ms", "200,5000",
+        "--server-args", f"--step-trace {results / 'steps.jsonl'}",
         results=results,
     )  # fmt: skip
+    assert (results / "steps.jsonl").stat().st_size > 0  # our server took the extra flag
+    results = results / "mixed"  # a path for --out: the JSON and the plots land there
     data = json.loads((results / "m.json").read_text())
     for mode in ("chunked-16", "adaptive-auto+wholeenc", "default@1.5+int8"):
         mixed = data["modes"][mode]["mixed"]
