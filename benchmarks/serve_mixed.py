@@ -149,7 +149,7 @@ def server_command(mode: str, model: Path, port: int, args) -> tuple[list[str], 
         cmd += ["--quantization", "int8"]
     elif variant:
         raise SystemExit(f"unknown mode variant {variant!r}")
-    return cmd + shlex.split(args.server_args), True
+    return cmd + shlex.split(getattr(args, "server_args", "")), True
 
 
 @contextmanager
