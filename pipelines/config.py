@@ -382,6 +382,14 @@ class DetectorConfig(Section):
         description="a box overlapping a higher-scored one of its class by more than this IoU "
         "is a duplicate and dropped (YOLO26's end-to-end head skips NMS; 1 keeps every box)",
     )
+    nested: float | None = Field(
+        0.8,
+        gt=0.0,
+        le=1.0,
+        description="a box with at least this share of its area inside a box of its class "
+        "scoring twice as high is a part of it (a head-and-torso box) and dropped; null keeps "
+        "nested boxes",
+    )
     imgsz: int = Field(640, ge=32, le=4096)
     classes: list[int] = Field(default_factory=lambda: [0], description="COCO 0 = person")
     device: str = "cpu"

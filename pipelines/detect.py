@@ -221,7 +221,7 @@ class Detector:
             for i, result in zip(idx, results, strict=True):
                 _, conf, classes = settings[i]
                 kept = [d for d in self._boxes(result) if d.cls in classes and d.conf >= conf]
-                out[i] = drop_duplicates(kept, self.config.iou)
+                out[i] = drop_duplicates(kept, self.config.iou, self.config.nested)
         elapsed = time.monotonic() - started
         metrics.DETECT_SECONDS.observe(elapsed)
         metrics.DETECT_BATCH.observe(len(frames))
@@ -252,25 +252,55 @@ class Detector:
         ]
 
 
-def drop_duplicates(dets: list[Detection], iou: float) -> list[Detection]:
-    """Class-wise non-maximum suppression at ``iou``, best score first.
+# a nested box is a part of the box around it only when that one scores at least this many
+# times higher: a second person inside another's box (a child in front of an adult) scores
+# about as high as the first and stays
+NESTED_SCORE_RATIO = 2.0
+
+
+def drop_duplicates(
+    dets: list[Detection], iou: float, nested: float | None = None
+) -> list[Detection]:
+    """Class-wise non-maximum suppression at ``iou``, best score first; then, with
+    ``nested``, every box with at least that share of its area inside a box of its class
+    that scores :data:`NESTED_SCORE_RATIO` times higher.
 
     Why here: YOLO26's end-to-end head is trained to give one box per object, so Ultralytics
     runs no NMS on it (``iou`` is ignored there), but a model at a low threshold still gives
     a second box over the same person now and then (the synthetic detector of
     ``make-detector``: a nested box at IoU 0.69 on ~1 frame in 5). The tracker then starts a
     track on it and, where the two swap scores, hands the person's id to the duplicate: one
-    walk, two tracks, two descriptions. ``iou >= 1`` keeps every box."""
-    if len(dets) < 2 or iou >= 1.0:
+    walk, two tracks, two descriptions. A head-and-torso box inside the person's (IoU 0.4,
+    wholly inside, a quarter of the person's score: the detector trained on a Zen 5) passes
+    NMS, and as its own track it was described as a second person. ``iou >= 1`` and
+    ``nested=None`` keep every box."""
+    if len(dets) < 2:
         return dets
     import torch
-    from torchvision.ops import batched_nms
 
     boxes = torch.tensor([d.box for d in dets], dtype=torch.float32)
     scores = torch.tensor([d.conf for d in dets], dtype=torch.float32)
     classes = torch.tensor([d.cls for d in dets])
-    keep = batched_nms(boxes, scores, classes, iou).tolist()
-    return [dets[i] for i in sorted(keep)]
+    keep = list(range(len(dets)))
+    if iou < 1.0:
+        from torchvision.ops import batched_nms
+
+        keep = sorted(batched_nms(boxes, scores, classes, iou).tolist())
+    if nested is not None and len(keep) > 1:
+        b, sc, cl = boxes[keep], scores[keep], classes[keep]
+        lo = torch.maximum(b[:, None, :2], b[None, :, :2])
+        hi = torch.minimum(b[:, None, 2:], b[None, :, 2:])
+        inter = (hi - lo).clamp(min=0).prod(-1)  # [i, j]: box i's area inside box j
+        area = (b[:, 2:] - b[:, :2]).clamp(min=0).prod(-1)
+        inside = inter >= nested * area[:, None]
+        part = (
+            inside
+            & (cl[:, None] == cl[None, :])
+            & (sc[None, :] >= NESTED_SCORE_RATIO * sc[:, None])
+        )
+        part.fill_diagonal_(False)
+        keep = [k for k, is_part in zip(keep, part.any(dim=1).tolist(), strict=True) if not is_part]
+    return [dets[i] for i in keep]
 
 
 def _check_export_imgsz(weights: str, imgsz: int) -> None:
