@@ -569,26 +569,16 @@ PanelKernel<int8_t> i8_kernel_for(int R, int V) {
 using PanelKernelI16 = void (*)(const int16_t*, int64_t, const int8_t*, int, int64_t, int64_t,
                                 const float*, int64_t, bool, bool, float (*)[kPanel]);
 
-template <int V, int S>
-PanelKernelI16 i16_kernel(int R) {
+// blocks hold 1..kFullRowsI16 rows and both halves of a panel (the build has 32 registers);
+// at 1-2 rows, enough accumulator sets for 8 independent chains
+static_assert(kWideRegs && kFullRowsI16 == 4, "the int16 kernels below cover 1-4 rows");
+PanelKernelI16 i16_kernel_for(int R) {
   switch (R) {
-    case 1: return &panel_block_i8x16<1, V, S>;
-    case 2: return &panel_block_i8x16<2, V, S>;
-    case 3: return &panel_block_i8x16<3, V, S>;
-    case 4: return &panel_block_i8x16<4, V, S>;
-    case 5: return &panel_block_i8x16<5, V, S>;
-    case 6: return &panel_block_i8x16<6, V, S>;
-    case 7: return &panel_block_i8x16<7, V, S>;
-    default: return &panel_block_i8x16<8, V, S>;
+    case 1: return &panel_block_i8x16<1, 2, 4>;
+    case 2: return &panel_block_i8x16<2, 2, 2>;
+    case 3: return &panel_block_i8x16<3, 2, 1>;
+    default: return &panel_block_i8x16<4, 2, 1>;
   }
-}
-
-// as i8_kernel_for: at 1-2 rows, enough accumulator sets for 8 independent chains
-PanelKernelI16 i16_kernel_for(int R, int V) {
-  if (V == 1) return i16_kernel<1, 1>(R);
-  if (R == 1) return i16_kernel<2, 4>(1);
-  if (R == 2) return i16_kernel<2, 2>(2);
-  return i16_kernel<2, 1>(R);
 }
 #endif
 
@@ -677,8 +667,10 @@ void panel_rows(const PanelInput& in, const Panels& w, int64_t p0, int64_t p1, f
   thread_local std::vector<float> sums;
   sums.resize(static_cast<size_t>(M) * kPanel);
   float(*rows_acc)[kPanel] = reinterpret_cast<float(*)[kPanel]>(sums.data());
-  const std::vector<PanelBlock> blocks = w.int8 ? panel_blocks(M, i16 ? kFullRowsI16 : kFullRowsI8, kHalfRowsI8)
-                                                 : panel_blocks(M, kFullRowsBf16, kHalfRowsBf16);
+  const std::vector<PanelBlock> blocks =
+      !w.int8 ? panel_blocks(M, kFullRowsBf16, kHalfRowsBf16)
+      : i16   ? panel_blocks(M, kFullRowsI16, kHalfRowsI8)
+              : panel_blocks(M, kFullRowsI8, kHalfRowsI8);
   struct Planned {
     PanelBlock b;
     PanelKernel<int8_t> i8;
@@ -693,9 +685,9 @@ void panel_rows(const PanelInput& in, const Panels& w, int64_t p0, int64_t p1, f
     p.b = b;
     if (w.int8) {
 #ifdef VS_I16_DOT
-      p.i8x16 = i16_kernel_for(b.rows, b.V);
+      if (i16) p.i8x16 = i16_kernel_for(b.rows);
 #endif
-      p.i8 = i8_kernel_for(b.rows, b.V);
+      if (!i16) p.i8 = i8_kernel_for(b.rows, b.V);
     } else {
 #ifdef VS_BF16_DOT
       TORCH_CHECK(false, "bf16 panels are the emulated builds' GEMV");
