@@ -274,7 +274,7 @@ def drop_duplicates(
     wholly inside, a quarter of the person's score: the detector trained on a Zen 5) passes
     NMS, and as its own track it was described as a second person. ``iou >= 1`` and
     ``nested=None`` keep every box."""
-    if len(dets) < 2:
+    if len(dets) < 2 or (iou >= 1.0 and nested is None):
         return dets
     import torch
 
