@@ -220,14 +220,16 @@ class Scheduler:
 
         # 2. prompt chunks: running part-done prompts and waiting requests, best class first;
         #    a waiting interactive request outranks a half-done batch prefill. The time limit
-        #    is the step bound; batch work next to active interactive work gets the ITL
-        #    target at most (without a step bound, interactive prompts get it too).
-        budget.open_prefill(interactive_decoding)
+        #    is the step bound (none for chat prompts while no chat decodes: nobody to stall);
+        #    batch work next to active interactive work gets the ITL target at most (without
+        #    a step bound, interactive prompts get it too).
+        candidates = [r for r in self.running if r.is_prefill and r.request_id not in scheduled]
+        candidates += self.waiting
+        interactive_prompts = any(r.priority is Priority.INTERACTIVE for r in candidates)
+        budget.open_prefill(interactive_decoding, interactive_prompts)
         interactive_active = interactive_decoding or any(
             r.priority is Priority.INTERACTIVE for r in self.running + self.waiting
         )
-        candidates = [r for r in self.running if r.is_prefill and r.request_id not in scheduled]
-        candidates += self.waiting
         prefill_scheduled = False
         prefill_tokens = 0
         restricted = False
