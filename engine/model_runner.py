@@ -133,7 +133,8 @@ class ModelRunner:
     # decodes for little more than their FLOPs. Each new token is one kernel row attending to
     # its own context length: the keys of the whole step are stored before any row attends, so
     # the chunk stays causal. How many rows pay off depends on the kernel's linears
-    # (engine/platform.py: 16 on the emulated builds' panel GEMV, 64 over oneDNN's packed GEMM).
+    # (engine/platform.py: 16 over the emulated builds' panel GEMV, 1,024 over oneDNN's
+    # packed GEMM).
 
     @property
     def fused_decode_rows(self) -> int:

@@ -40,15 +40,19 @@ ENCODER_ROWS_CPU_OTHER = 256
 
 # rows (decodes + prompt tokens) a step with prompt tokens may hold and still run the fused
 # kernel (engine/model_runner.py says why prompt rows ride it at all). Where its linears past
-# a few rows are oneDNN's packed GEMM on bf16 arithmetic, 32-64 rows run near that GEMM's
-# large-chunk rate (a bench decoder's matrices: 1.20 ms a row at 16, 1.06 at 32, 0.98 at 64,
-# 0.92 at 512 on a 2-core AVX512-BF16 Xeon), so the step bound's ~35-row batch-only steps
-# stay fused and cheap; 16 there cost camera-only work ~30 % against a fixed 2,048-token
-# budget (benchmarks.default_cost). On the emulated builds' panel GEMV, past 16 rows a prompt
+# a few rows are oneDNN's packed GEMM on bf16 arithmetic, the eager forward runs the same GEMM
+# and adds only per-op overhead: the fused step is as fast or faster at every chunk size
+# measured (2-core Zen 5 EPYC, bench, a 1,024-token prompt in chunks, ms a token fused /
+# eager: 0.42 / 0.59 at 32 rows, 0.36 / 0.51 at 64, 0.33 / 0.38 at 128, 0.30 / 0.32 at 256,
+# 0.31 / 0.31 at 1,024; a 4,096-token prompt in 2,048- and 4,096-row chunks 0.37 either way).
+# The old limit of 64 rows capped the step bound's batch-only chunks there, since a 65th row
+# paid the eager floor (~9 ms): camera-only work cost 19 % against a fixed 2,048-token budget,
+# 8-12 % at 1,024 rows (benchmarks.default_cost; the fixed budget's own one-shot prompts got
+# faster too). On the emulated builds' panel GEMV, past 16 rows a prompt
 # row gains little on an eager chunk's and such steps outlast the default step bound anyway
 # (2-core AVX2 EPYC, bench, 1,200-token prompt: 2.1-2.2 ms a token fused at 16 rows since
 # session 16; before it 2.7-3.3 at 16, 2.4-2.7 at 32, 3.0 at 64; eager 1.6 at 512).
-FUSED_PROMPT_ROWS_PACKED = 64
+FUSED_PROMPT_ROWS_PACKED = 1024
 FUSED_PROMPT_ROWS_PANELS = 16
 
 # The native build's row-major GEMV: asking for each weight row 4 KiB ahead keeps memory busy

@@ -212,7 +212,7 @@ def test_native_prefill_attention_gives_the_same_tokens_chunked_or_not(tiny_chec
         logs = _capture_sampled_logits(llm)
         llm.chat(convs, params)
         logits[budget] = torch.cat(logs)
-        # 16-token chunks fit the plan's fused prompt rows (16, or 64 over oneDNN's GEMM)
+        # 16-token chunks fit the plan's fused prompt rows (16, or 1,024 over oneDNN's GEMM)
         if budget <= llm.engine.runner.fused_prefill_rows:
             assert llm.engine.runner.fused_prefill_steps > 0
     for budget in (16, 64):
@@ -329,13 +329,14 @@ def test_the_native_weight_prefetch_changes_no_number(tiny_checkpoint) -> None:
         kernels.set_weight_prefetch(runner.weight_prefetch_bytes)
 
 
-@pytest.mark.parametrize("rows", [12, 48])
+@pytest.mark.parametrize("rows", [12, 48, 300])
 def test_fused_prompt_steps_match_eager(tiny_checkpoint, rows: int) -> None:
     """Steps carrying prompt chunks (image rows included) beside decodes run the fused kernel
     while their rows fit the platform plan's ``fused_prompt_rows``: each new token a row
     attending to its own context length, the chunk's keys stored before any row attends.
-    Their logits are the eager path's. 48 rows: oneDNN's packed GEMM inside the kernel, where
-    the plan lets prompt steps that big in (bf16 arithmetic)."""
+    Their logits are the eager path's. 48 and 300 rows: oneDNN's packed GEMM inside the
+    kernel, where the plan lets prompt steps that big in (bf16 arithmetic); 300 is past the
+    decode-only limit (256) too."""
     llm = LLM(
         model=str(tiny_checkpoint), dtype="bfloat16", block_size=4, max_num_batched_tokens=rows
     )

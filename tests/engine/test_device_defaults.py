@@ -82,8 +82,8 @@ def test_the_platform_plan_decides_together(monkeypatch) -> None:
         64,
     )
     assert fast.use_cpu_kernels and not fast.emulated_bf16
-    # prompt steps ride the fused kernel up to 64 rows over oneDNN's GEMM, 16 over panels
-    assert fast.fused_prompt_rows == 64 and "fused_prompt_rows=64" in fast.describe()
+    # prompt steps ride the fused kernel up to 1,024 rows over oneDNN's GEMM, 16 over panels
+    assert fast.fused_prompt_rows == 1024 and "fused_prompt_rows=1024" in fast.describe()
     # the native GEMV prefetches weights and takes 16 rows on Intel, 12 on Zen 5, neither on
     # Zen 4 (family 25) nor on a CPU nobody measured
     for vendor, family, rows, ahead in (
