@@ -192,9 +192,9 @@ def test_chat_prompts_sent_together_share_one_step_while_no_chat_decodes(tiny_qw
         eng.add_request(rid, text_conv(f"question {i} " + "words " * 40), FEW, "interactive")
     sched = eng.scheduler.schedule()
     prefilled = {c.request_id: c.num_tokens for c in sched.chunks if not c.is_decode}
-    assert prefilled == {
-        rid: len(eng.scheduler.requests[rid].prompt_token_ids) for rid in chats
-    }, "every chat prompt whole, no camera chunk beside them"
+    assert prefilled == {rid: len(eng.scheduler.requests[rid].prompt_token_ids) for rid in chats}, (
+        "every chat prompt whole, no camera chunk beside them"
+    )
     assert model.predict(sched.features) > 0.030, "past the step bound"
     _run(eng, sched)
 
