@@ -110,6 +110,7 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.block_hashes: list[bytes] = []  # hash chain of full blocks (prefix caching)
         self.deferred_steps = 0  # consecutive steps its prefill was held back by the ITL target
+        self.held_decode_steps = 0  # consecutive encoder-only steps its decode sat out
         self.generator: torch.Generator | None = None
         # constrained decoding: the matcher, set at admission (engine/structured_output.py)
         self.grammar: GrammarState | None = None

@@ -91,6 +91,7 @@ class SchedulerOutput:
     # interactive streams decode in this step: the server streams their tokens between steps
     # (the runner then leaves a CPU core to that front end while it encodes images)
     interactive_decodes: bool = False
+    held_decodes: int = 0  # batch decodes held out of an encoder-only step (_hold_batch_decodes)
 
     @property
     def num_decode_tokens(self) -> int:
@@ -274,6 +275,8 @@ class Scheduler:
             scheduled.add(req.request_id)
             prefill_scheduled = True
             prefill_tokens += n
+        if not interactive_active and not prefill_tokens and out.encoder_work:
+            self._hold_batch_decodes(out, budget)
         # jobs of encodings that expired or aborted requests left half done: dropped before
         # this step's new jobs start (one may be the same image, encoded afresh)
         out.evicted_encoder_hashes.extend(self.encoder_cache.take_abandoned())
@@ -288,6 +291,44 @@ class Scheduler:
             prefill_tokens if budget.limit_s is not None else budget.tokens_left + prefill_tokens
         )
         return out
+
+    def _hold_batch_decodes(self, out: SchedulerOutput, budget: StepBudget) -> None:
+        """Take camera decodes out of a step that would run the language model for them alone.
+
+        Called for steps with only batch work whose prompt side is image encoding (no prompt
+        token, nobody interactive to keep fluid). A decode there costs a whole pass over the
+        decoder weights for one token (~6 ms for bench on a 2-core Zen 5 EPYC), where a step
+        with prompt rows carries it for a fraction of a millisecond, and it slows the
+        encoder work around it (its weights evict the tower's working set: 7.8 against 7.2
+        us a unit). Camera frames queued behind each other decoded one at a time beside the
+        next frame's encoding, which cost camera-only work ~5 % against a fixed 2,048-token
+        budget that encodes several frames in one step and then decodes them together
+        (``benchmarks.default_cost``). A held decode rides the next step with prompt rows,
+        or runs after ``max_deferred_steps`` held steps (a frame's description is delayed by
+        its successors' encoding, never starved). The step's encoder grant was sized with
+        the decodes in; it ends that much sooner, which costs encoder-only steps nothing
+        (they pay no per-step floor). Steps that preempted work are left alone: the room
+        was made for these decodes."""
+        if out.preempted_ids:
+            return
+        held: set[str] = set()
+        for chunk in out.chunks:
+            if not chunk.is_decode:
+                continue
+            req = self.requests[chunk.request_id]
+            if req.priority is not Priority.BATCH:
+                return
+            if req.held_decode_steps >= self.config.max_deferred_steps:
+                continue
+            held.add(chunk.request_id)
+        if not held:
+            return
+        for chunk in out.chunks:
+            if chunk.request_id in held:
+                budget.remove_decode(chunk.start + 1)
+                self.requests[chunk.request_id].held_decode_steps += 1
+        out.chunks = [c for c in out.chunks if c.request_id not in held]
+        out.held_decodes = len(held)
 
     def new_budget(self) -> StepBudget:
         """An empty account for one step under this scheduler's limits and cost model."""
@@ -489,6 +530,7 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens += chunk.num_tokens
+            req.held_decode_steps = 0
             self.kv.name_full_blocks(
                 req.request_id,
                 req.full_block_hashes(req.num_computed_tokens, self.kv.block_size),

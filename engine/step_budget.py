@@ -87,6 +87,13 @@ class StepBudget:
         self.features.attention_units += context_len
         return True
 
+    def remove_decode(self, context_len: int) -> None:
+        """Take back a decode :meth:`add_decode` counted (a batch decode held out of an
+        encoder-only step, see ``Scheduler._hold_batch_decodes``)."""
+        self.tokens_left += 1
+        self.features.decode_tokens -= 1
+        self.features.attention_units -= context_len
+
     # ---- the time limit -----------------------------------------------------------------------
     def open_prefill(self, interactive_decoding: bool, interactive_prompts: bool = False) -> None:
         """Fix the time limit for prompt work once the decodes are in: the step bound (batch

@@ -10,7 +10,7 @@ per step is ~40 per second).
 Fields (seconds unless named otherwise): ``at`` wall clock, ``step_s`` measured, ``predicted_s``
 and ``target_s`` (the step's time limit: the ITL target beside chat, else the step bound; None
 under a plain token budget) from the budget, ``decodes`` /
-``prefill_tokens``, ``encoder_grant`` (units granted), ``encoder_units`` / ``encoder_items`` /
+``prefill_tokens``, ``held_decodes`` (batch decodes held out of an encoder-only step), ``encoder_grant`` (units granted), ``encoder_units`` / ``encoder_items`` /
 ``encoder_s`` (what ran and its own time), ``item_overhead`` (units charged per item),
 ``forward_s`` (the language model's forward and sampling).
 """
@@ -55,6 +55,7 @@ class StepTrace:
             "predicted_s": sched.predicted_s,
             "target_s": sched.target_s,
             "decodes": sched.num_decode_tokens,
+            "held_decodes": sched.held_decodes,
             "prefill_tokens": sched.num_prefill_tokens,
             "encoder_grant": sum(v for v in sched.encoder_work.values() if v != float("inf")),
             "item_overhead": sched.encoder_item_overhead,

@@ -206,6 +206,62 @@ def test_chat_prompts_sent_together_share_one_step_while_no_chat_decodes(tiny_qw
     assert 0 < late < len(eng.scheduler.requests["late"].prompt_token_ids), "chunked"
 
 
+def _frames_queued(checkpoint, max_deferred_steps: int = 16):
+    """Two camera frames queued at once, the tower priced so that an encode spans steps."""
+    _, eng = _engine(checkpoint, max_step_ms="30", enable_prefix_caching=False)
+    eng.scheduler.cost_model = StepCostModel(coefficients={**SYNTHETIC, "encoder_kunits": 0.05})
+    eng.scheduler.config.max_deferred_steps = max_deferred_steps
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for i, rid in enumerate(("a", "b")):
+        eng.add_request(rid, _frame(21 + i), params, priority="batch")
+    return eng, params
+
+
+def _drive(eng) -> tuple[list, dict[str, list[int]]]:
+    """Run to the end; per step (decoding ids, prompt tokens, encoder work?, held decodes)."""
+    steps, outputs = [], {}
+    while eng.has_unfinished():
+        sched = eng.scheduler.schedule()
+        decoding = {c.request_id for c in sched.chunks if c.is_decode}
+        steps.append((decoding, sched.num_prefill_tokens, bool(sched.encoder_work), sched))
+        result = eng.runner.execute(sched)
+        _, finished = eng.scheduler.update_from_output(
+            sched, result.sampled, result.encoder_progress
+        )
+        outputs.update({r.request_id: r.output_token_ids for r in finished})
+    return steps, outputs
+
+
+def test_a_camera_decode_waits_out_encoder_only_steps_for_a_step_with_prompt_rows(
+    tiny_qwen2_vl,
+):
+    """Frame a decodes while frame b is encoded: a step that would run the decoder for a's
+    one token beside encoder work alone holds it (a whole weight pass for one row, and
+    camera-only work 5 % below a fixed budget); it rides the next step with prompt rows.
+    Tokens are unchanged."""
+    eng, params = _frames_queued(tiny_qwen2_vl)
+    alone = LLM(str(tiny_qwen2_vl), dtype="float32", max_num_batched_tokens=4096)
+    expected = [o.outputs[0].token_ids for o in alone.chat([_frame(21), _frame(22)], params)]
+    steps, outputs = _drive(eng)
+    held = [s for s in steps if s[3].held_decodes]
+    assert held, "a's decode sat out b's encoding"
+    for decoding, prompt_tokens, encoding, sched in held:
+        assert not decoding and not prompt_tokens and encoding
+        assert sched.features.decode_tokens == 0, "nor is it priced"
+    a_decodes = [s for s in steps if "a" in s[0]]
+    assert any(prompt_tokens for _, prompt_tokens, _, _ in a_decodes), "rides b's prompt"
+    assert [outputs["a"], outputs["b"]] == expected
+
+
+def test_a_held_camera_decode_runs_after_max_deferred_steps(tiny_qwen2_vl):
+    eng, _ = _frames_queued(tiny_qwen2_vl, max_deferred_steps=1)
+    steps, outputs = _drive(eng)
+    assert any(s[3].held_decodes for s in steps)
+    for before, after in zip(steps, steps[1:], strict=False):
+        assert not (before[3].held_decodes and after[3].held_decodes), "two in a row"
+    assert len(outputs["a"]) == len(outputs["b"]) == 8
+
+
 def test_an_interactive_image_is_encoded_before_batch_images(tiny_qwen2_vl):
     _, eng = _engine(tiny_qwen2_vl, enable_prefix_caching=False, encoder_rows_per_item=16)
     # encoder work priced so that a frame takes several 50 ms steps to encode

@@ -6,13 +6,13 @@ import argparse
 import json
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 
 from engine import EngineArgs, SamplingParams
 from engine.config import add_engine_cli_args, engine_args_from_namespace
 from engine.llm_engine import LLMEngine
+from engine.scheduler import SchedulerOutput
 from engine.step_trace import StepTrace, StepTraceError
 from tests.engine.helpers import image_conv, noise_image, text_conv
 
@@ -89,10 +89,7 @@ def test_a_trace_that_cannot_be_written_ends_itself_not_the_engine(tmp_path, cap
 
     trace._file.close()
     trace._file = FullDisk()
-    sched = SimpleNamespace(
-        predicted_s=None, target_s=None, num_decode_tokens=1, num_prefill_tokens=0,
-        encoder_work={}, encoder_item_overhead=0.0,
-    )  # fmt: skip
+    sched = SchedulerOutput()  # an empty step: the record is written all the same
     trace.record(sched, None, 0.01)  # logs and stops: no exception into the step loop
     trace.record(sched, None, 0.01)
     trace.close()
