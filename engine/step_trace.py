@@ -7,12 +7,13 @@ found from such a trace that, under a streaming client on the same 2 cores, ever
 chat ran one 16-row vision piece whose wall time was twice its CPU time. Off by default (a line
 per step is ~40 per second).
 
-Fields (seconds unless named otherwise): ``at`` wall clock, ``step_s`` measured, ``predicted_s``
-and ``target_s`` (the step's time limit: the ITL target beside chat, else the step bound; None
-under a plain token budget) from the budget, ``decodes`` /
-``prefill_tokens``, ``held_decodes`` (batch decodes held out of an encoder-only step), ``encoder_grant`` (units granted), ``encoder_units`` / ``encoder_items`` /
-``encoder_s`` (what ran and its own time), ``item_overhead`` (units charged per item),
-``forward_s`` (the language model's forward and sampling).
+Fields (seconds unless named otherwise): ``at`` wall clock, ``step_s`` measured,
+``predicted_s`` and ``target_s`` (the step's time limit: the ITL target beside chat, else the
+step bound; None under a plain token budget) from the budget, ``decodes`` / ``prefill_tokens``,
+``held_decodes`` (batch decodes held out of an encoder-only step), ``encoder_grant`` (units
+granted), ``encoder_units`` / ``encoder_items`` / ``encoder_s`` (what ran and its own time),
+``item_overhead`` (units charged per item), ``forward_s`` (the language model's forward and
+sampling).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ runs the steps, so outputs stay exact.
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import pytest
@@ -257,7 +258,7 @@ def test_a_held_camera_decode_runs_after_max_deferred_steps(tiny_qwen2_vl):
     eng, _ = _frames_queued(tiny_qwen2_vl, max_deferred_steps=1)
     steps, outputs = _drive(eng)
     assert any(s[3].held_decodes for s in steps)
-    for before, after in zip(steps, steps[1:], strict=False):
+    for before, after in itertools.pairwise(steps):
         assert not (before[3].held_decodes and after[3].held_decodes), "two in a row"
     assert len(outputs["a"]) == len(outputs["b"]) == 8
 
