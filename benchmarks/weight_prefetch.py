@@ -3,10 +3,11 @@ decode step time per batch size, prefetch distance and ``gemv_max_rows`` (past i
 runs oneDNN's packed GEMM).
 
 Why in one process: the machines here move 20-40 % between minutes, more than the effect; the
-distance is a process-wide kernel setting (``set_weight_prefetch``), so each round runs every
-distance back to back on the same engine, order reversed every round, and the medians are
-compared. The platform plan (``engine/platform.py``) prefetches 4 KiB ahead on Intel native-
-bf16 builds and not at all elsewhere, and sends up to 16 rows (Intel) or 4 to the GEMV; run
+distance is a setting of the fused decoder (``FusedDecoder.set_weight_prefetch``), so each
+round runs every distance back to back on the same engine, order reversed every round, and the
+medians are compared. The platform plan (``engine/platform.py``) prefetches 4 KiB ahead on
+Intel and Zen 5 native-bf16 builds and not at all elsewhere, and sends up to 16 rows (Intel),
+12 (Zen 5) or 4 to the GEMV; run
 this on a new CPU class to check those choices (``--gemv-rows 4 16``: each limit rebuilds the
 fused decoder, which shares the engine's weights).
 The emulated builds prefetch by compilation and are not affected (the script says so).
@@ -85,12 +86,11 @@ def main() -> None:
             for batch in args.batches:
                 for rows, distance in order:
                     runner.fused_decoder = decoders[rows]
-                    kernels.set_weight_prefetch(distance)
+                    decoders[rows].set_weight_prefetch(distance)
                     tag = f"{r}-{batch}-{rows}-{distance}"
                     step = median_decode_step(engine, tag, batch, args.steps)
                     results[batch][variant_name(rows, distance)].append(step)
     finally:
-        kernels.set_weight_prefetch(plan_distance)
         runner.gemv_max_rows, runner.fused_decoder = plan_rows, decoders.get(plan_rows)
     summary = {
         batch: {name: 1e3 * statistics.median(v) for name, v in per.items()}

@@ -154,12 +154,6 @@ class ModelRunner:
         kernels = load_cpu_decode() if weights is not None else None
         if kernels is None:
             return None
-        # process-wide, read by the bf16 row-major GEMV only: an int8 engine (panels) leaves
-        # the setting of a bf16 engine in the same process alone (benchmarks.int8 times the
-        # two in turns; resetting it there had slowed the bf16 side's batch-8 steps by half)
-        int8 = getattr(self.model, "decode_kernel_scales", None) is not None
-        if hasattr(kernels, "set_weight_prefetch") and not int8:
-            kernels.set_weight_prefetch(self.weight_prefetch_bytes)
         packed = self.model.packed_decoder_weights()  # None when oneDNN packing is off
         per_layer = 7
         layers = []
@@ -185,6 +179,9 @@ class ModelRunner:
                 float(text.rms_norm_eps),
                 self.gemv_max_rows,
                 **({} if scales is None else {"scales": scales}),
+                # this decoder's own (read by the bf16 row-major GEMV only): two engines in
+                # one process keep theirs (benchmarks.int8 times bf16 and int8 in turns)
+                weight_prefetch=self.weight_prefetch_bytes,
             )
         except RuntimeError as exc:  # a shape the kernel does not take: eager decode
             log.warning("fused CPU decode off for this model: %s", exc)

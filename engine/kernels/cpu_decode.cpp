@@ -83,7 +83,8 @@ using vs::hsum16;
 // elements per 32: a weight vector then costs two FMAs per row, not two FMAs plus four integer
 // ops to widen the same activations again for every weight row.
 struct Activations {
-  Activations(int rows, const bf16* x_in, int64_t K_in) : M(rows), K(K_in), x(x_in) {
+  Activations(int rows, const bf16* x_in, int64_t K_in, int64_t prefetch_bytes = 0)
+      : M(rows), K(K_in), x(x_in), prefetch(prefetch_bytes) {
 #ifndef VS_BF16_DOT
     wide.resize(static_cast<size_t>(M) * K);
     const int64_t k_vec = K / 32 * 32;
@@ -99,25 +100,24 @@ struct Activations {
   int M;
   int64_t K;
   const bf16* x;
+  // bytes ahead the native build's GEMV asks for each weight row (0: the hardware prefetcher
+  // alone): the decoder's, from the platform plan (engine/platform.py says where it pays)
+  int64_t prefetch;
 #ifndef VS_BF16_DOT
   std::vector<float> wide;
 #endif
 };
 
-// bytes ahead the native build's GEMV asks for each weight row (0: the hardware prefetcher
-// alone), set once per process from the platform plan (engine/platform.py says where it pays)
-int64_t g_native_prefetch = 0;
-
 // acc[m][n - n0] = dot(x[m, :], w[n, :]) for n in [n0, n1): every weight row is read once and
 // used for all M rows. One dot-product chain is latency-bound, so U slices of K are accumulated
 // independently (with M >= 4 the rows themselves are enough chains). Software prefetch always in
-// the emulated build (below); in the native one where the plan asks for it (g_native_prefetch):
+// the emulated build (below); in the native one where the plan asks for it (xs.prefetch):
 // on an Intel Xeon it kept memory busy, on an EPYC the hardware stream prefetcher did better.
 template <int M, int U>
 void dot_rows(const Activations& xs, const bf16* w, int64_t n0, int64_t n1, float* acc,
               int64_t ld_acc) {
 #ifdef VS_BF16_DOT
-  const int64_t ahead = g_native_prefetch;
+  const int64_t ahead = xs.prefetch;
 #endif
   constexpr int64_t step = 32 * U;
   const int64_t K = xs.K;
@@ -797,10 +797,11 @@ constexpr int64_t kGrain = 32;
 
 // Runs ``body(n0, n1, acc)`` over [0, N) in parallel; ``acc`` holds [M, n1 - n0] dot products.
 template <typename Epilogue>
-void matvec(int M, const bf16* x, const at::Tensor& w, int64_t N, Epilogue epilogue) {
+void matvec(int M, const bf16* x, const at::Tensor& w, int64_t N, Epilogue epilogue,
+            int64_t prefetch_bytes = 0) {
   const int64_t K = w.size(1);
   const bf16* wp = w.data_ptr<bf16>();
-  const Activations xs(M, x, K);
+  const Activations xs(M, x, K, prefetch_bytes);
   at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
     thread_local std::vector<float> acc;  // reused: a fresh MiB per call churned malloc
     acc.resize(static_cast<size_t>(M) * (n1 - n0));
@@ -1195,7 +1196,7 @@ class FusedDecoder {
   FusedDecoder(std::vector<std::vector<at::Tensor>> layers, at::Tensor final_norm,
                at::Tensor lm_head, std::optional<at::Tensor> lm_head_packed, int64_t num_heads,
                int64_t num_kv_heads, int64_t head_dim, double eps, int64_t gemv_max_rows,
-               std::optional<std::vector<at::Tensor>> scales)
+               std::optional<std::vector<at::Tensor>> scales, int64_t weight_prefetch)
       : final_norm_(final_norm.contiguous()),
         lm_head_(lm_head.contiguous()),
         lm_head_p_(lm_head_packed.value_or(at::Tensor())),
@@ -1204,6 +1205,7 @@ class FusedDecoder {
         num_kv_heads_(num_kv_heads),
         head_dim_(head_dim),
         eps_(static_cast<float>(eps)) {
+    set_weight_prefetch(weight_prefetch);
     TORCH_CHECK(num_heads % num_kv_heads == 0, "heads must be a multiple of KV heads");
     TORCH_CHECK(head_dim % 16 == 0 && head_dim <= 128, "head_dim must be 16..128, step 16");
     const std::vector<at::Tensor> sc = scales.value_or(std::vector<at::Tensor>());
@@ -1254,6 +1256,14 @@ class FusedDecoder {
     if (int8_ || bf16_panels) build_panels();
     panels_ = int8_ || bf16_panels;
   }
+
+  // How far ahead this decoder's row-major GEMV (native build) asks for weights; its own, so
+  // two engines in one process (a benchmark timing two plans in turns) keep theirs
+  void set_weight_prefetch(int64_t bytes) {
+    TORCH_CHECK(bytes >= 0 && bytes <= (int64_t(1) << 20), "weight prefetch distance ", bytes);
+    weight_prefetch_ = bytes;
+  }
+  int64_t weight_prefetch() const { return weight_prefetch_; }
 
   // Most rows one forward takes: the row-major dot-product kernel holds at most kMaxGemvRows;
   // panels (emulated and AVX2 builds, int8) and oneDNN's packed GEMM take any number
@@ -1391,7 +1401,7 @@ class FusedDecoder {
         // gate rows [0, I) and up rows [I, 2I) of the same range in one task, so the
         // activation is applied as soon as both halves are there
         const bf16* gu = L.gate_up_w.data_ptr<bf16>();
-        const Activations hs(M, h, H);
+        const Activations hs(M, h, H, weight_prefetch_);
         at::parallel_for(0, I, kGrain, [&](int64_t n0, int64_t n1) {
           const int64_t n = n1 - n0;
           thread_local std::vector<float> g, u;
@@ -1516,7 +1526,7 @@ class FusedDecoder {
     }
     TORCH_CHECK(w.scalar_type() == at::kBFloat16, "int8 weights without their panels");
     if (M <= gemv_max_rows_ || !packed.defined()) {
-      matvec(M, x.data_ptr<bf16>(), w, N, epilogue);
+      matvec(M, x.data_ptr<bf16>(), w, N, epilogue, weight_prefetch_);
       return;
     }
     const at::Tensor y = onednn_linear(x, packed);
@@ -1563,6 +1573,7 @@ class FusedDecoder {
   at::Tensor final_norm_, lm_head_, lm_head_p_, lm_head_s_;
   Panels lm_head_n_;
   int64_t gemv_max_rows_;
+  int64_t weight_prefetch_ = 0;
   bool packed_ = false;
   bool int8_ = false;  // int8 decoder matrices and lm_head (panels only)
   bool panels_ = false;  // every matrix also as panels: steps of any row count
@@ -1759,27 +1770,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<FusedDecoder>(m, "FusedDecoder")
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor,
                           std::optional<at::Tensor>, int64_t, int64_t, int64_t, double, int64_t,
-                          std::optional<std::vector<at::Tensor>>>(),
+                          std::optional<std::vector<at::Tensor>>, int64_t>(),
            pybind11::arg("layers"), pybind11::arg("final_norm"), pybind11::arg("lm_head"),
            pybind11::arg("lm_head_packed"), pybind11::arg("num_heads"),
            pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"),
-           pybind11::arg("gemv_max_rows"), pybind11::arg("scales") = pybind11::none())
+           pybind11::arg("gemv_max_rows"), pybind11::arg("scales") = pybind11::none(),
+           pybind11::arg("weight_prefetch") = 0)
       .def("forward", &FusedDecoder::forward, pybind11::arg("embeds"), pybind11::arg("cos"),
            pybind11::arg("sin"), pybind11::arg("block_tables"), pybind11::arg("context_lens"),
            pybind11::arg("block_size"), pybind11::arg("logit_rows") = pybind11::none(),
            pybind11::arg("context_keys") = pybind11::none(),
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("max_rows", &FusedDecoder::max_rows)
+      .def("set_weight_prefetch", &FusedDecoder::set_weight_prefetch, pybind11::arg("bytes"))
+      .def("weight_prefetch", &FusedDecoder::weight_prefetch)
       .def("kept_contexts", &FusedDecoder::kept_contexts)
       .def("forget_context", &FusedDecoder::forget_context);
   pybind11::class_<PanelGemv>(m, "PanelGemv")
       .def(pybind11::init<const at::Tensor&, std::optional<at::Tensor>>(), pybind11::arg("w"),
            pybind11::arg("scales") = pybind11::none())
       .def("forward", &PanelGemv::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("set_weight_prefetch", [](int64_t bytes) {
-    TORCH_CHECK(bytes >= 0 && bytes <= (int64_t(1) << 20), "weight prefetch distance ", bytes);
-    g_native_prefetch = bytes;
-  });
   m.def("small_matmul", &small_matmul);
   m.def("panel_matmul", &panel_matmul, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("decode_attention", &decode_attention,

@@ -308,25 +308,30 @@ def test_fused_decode_logits_match_eager(tiny_checkpoint) -> None:
 
 def test_the_native_weight_prefetch_changes_no_number(tiny_checkpoint) -> None:
     """The native GEMV's software prefetch (the plan's ``weight_prefetch_bytes``) only asks
-    for memory early: logits bit for bit equal with it off and at any distance."""
+    for memory early: logits bit for bit equal with it off and at any distance. The distance
+    is each decoder's own: a second engine in the process leaves the first one's alone."""
     llm = LLM(model=str(tiny_checkpoint), dtype="bfloat16", block_size=4, max_num_seqs=4)
     runner = llm.engine.runner
     if not getattr(kernels, "bf16_dot", False):
         pytest.skip("the emulated builds always prefetch (compiled in)")
-    recorder = _RecordingDecoder(runner.fused_decoder)
+    decoder = runner.fused_decoder
+    assert decoder.weight_prefetch() == runner.weight_prefetch_bytes
+    recorder = _RecordingDecoder(decoder)
     runner.fused_decoder = recorder
     convs = [text_conv("hello " * (i + 3)) for i in range(3)]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    try:
-        llm.chat(convs, params)
-        for bytes_ahead in (0, 64, 4096):
-            kernels.set_weight_prefetch(bytes_ahead)
-            for args, kwargs, out in recorder.calls:
-                assert torch.equal(recorder.decoder.forward(*args, **kwargs), out)
-        with pytest.raises(RuntimeError, match="prefetch distance"):
-            kernels.set_weight_prefetch(-1)
-    finally:
-        kernels.set_weight_prefetch(runner.weight_prefetch_bytes)
+    llm.chat(convs, params)
+    for bytes_ahead in (0, 64, 4096):
+        decoder.set_weight_prefetch(bytes_ahead)
+        for args, kwargs, out in recorder.calls:
+            assert torch.equal(decoder.forward(*args, **kwargs), out)
+    with pytest.raises(RuntimeError, match="prefetch distance"):
+        decoder.set_weight_prefetch(-1)
+    assert decoder.weight_prefetch() == 4096, "a refused distance changes nothing"
+
+    runner.weight_prefetch_bytes = 2048
+    other = runner._build_fused_decoder()
+    assert (other.weight_prefetch(), decoder.weight_prefetch()) == (2048, 4096)
 
 
 @pytest.mark.parametrize("rows", [12, 48, 300])
