@@ -176,8 +176,9 @@ HELP = {
     "enable_prefix_caching": "reuse KV blocks of identical prefixes (text and images)",
     "target_itl_ms": "step-time target (ms) while interactive requests are active; 'auto' "
     "(default when steps are sized by time): --auto-itl-factor x the decode step; 'off'",
-    "max_step_ms": "bound (ms) on any step's predicted time, so an arriving chat request waits "
-    "at most one short step; 'auto' (default when sized by time): 4x the decode step, >= 50 ms",
+    "max_step_ms": "bound (ms) on a step's predicted time, so an arriving chat request waits "
+    "at most one short step (chat prompts while no chat decodes, with nobody to stall, get the "
+    "token cap alone); 'auto' (default when sized by time): 4x the decode step, >= 50 ms",
     "auto_itl_factor": "with --target-itl-ms auto: target = factor x decode-only step time",
     "encoder_cache_size": "image embeddings (in tokens) kept for reuse",
     "enable_chunked_encoder": "advance image encoding under the step budget (off: whole image)",

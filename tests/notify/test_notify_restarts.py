@@ -70,10 +70,8 @@ def test_a_notifier_killed_mid_run_resumes_and_loses_nothing(tmp_path, broker, r
                 # the broker publishes the will: Home Assistant shows the cameras unavailable
                 wait_until(lambda: [m for m in sub.on("/status") if m.payload == b"offline"], 10)
                 stream = "vs:descriptions"
-                assert group_state(client, stream, "notifiers:webhook:slow") != {
-                    "pending": 0,
-                    "lag": 0,
-                }
+                at_kill = group_state(client, stream, "notifiers:webhook:slow")
+                assert at_kill is not None and at_kill != {"pending": 0, "lag": 0}
                 second = start_cli(path, tmp_path / "run2.log")
                 groups = [MQTT, "notifiers:webhook:slow"]
                 wait_until(lambda: settled(client, stream, groups), 40, what="all delivered")
@@ -88,7 +86,11 @@ def test_a_notifier_killed_mid_run_resumes_and_loses_nothing(tmp_path, broker, r
         assert sum(hooks.values()) - len(ids) <= 2
         assert sum(sub.event_ids().values()) - len(ids) <= 2
         logs = (tmp_path / "run1.log").read_text() + (tmp_path / "run2.log").read_text()
-        assert "event=notify_resumed sink=webhook:slow" in logs
+        # deliveries in flight at the kill stay pending and are resumed from the consumer's
+        # history; a kill between two deliveries leaves none (only unread entries), and
+        # nothing to resume (CI once killed it there: the 12 left came as new reads)
+        if at_kill["pending"]:
+            assert "event=notify_resumed sink=webhook:slow" in logs
         assert "event=event_delivered" in logs
         for secret in (MQTT_PASSWORD, WEBHOOK_SECRET, REDIS_PASSWORD, quote(REDIS_PASSWORD)):
             assert secret not in logs
