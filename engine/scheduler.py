@@ -118,7 +118,9 @@ class SchedulerConfig:
     target_itl_s: float | str | None = None
     max_step_s: float | str | None = None
     auto_target_factor: float = 1.25
-    max_deferred_steps: int = 16  # starvation guard for prefills held back by the time limit
+    # starvation guard: most steps in a row a prefill is held back by the time limit, or a
+    # camera decode sits out an encoder-only step (_hold_batch_decodes)
+    max_deferred_steps: int = 16
     # stall-free encoding: image encoding is advanced under the step budget, not run whole
     enable_chunked_encoder: bool = True
     # FLOP-based token equivalent of one encoder unit, until the cost model calibrates it
