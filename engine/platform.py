@@ -19,6 +19,7 @@ import torch
 
 from engine.device import (
     cpu_family,
+    cpu_has_amx,
     cpu_has_fast_bf16,
     cpu_vendor,
     resolve_device,
@@ -37,6 +38,11 @@ log = logging.getLogger("engine")
 # GPU a 64-row item is all launch overhead (0.25 s per frame in items, 0.01 s whole)
 ENCODER_ROWS_BF16_ARITHMETIC = 64
 ENCODER_ROWS_CPU_OTHER = 256
+# with AMX (torch's flash kernel, oneDNN in tiles) an item's fixed cost is most of a small
+# one: a 640x480 bench frame in items of 64 rows 1.83 s, 128 1.49, 256 1.26, 512 0.85, 1,024
+# 0.74 (slowest item 15 and 23 ms), whole 0.96 (2-core AMX Xeon); the scheduler still cuts an
+# item down to what a step grants, so big items cost chat nothing
+ENCODER_ROWS_AMX = 512
 
 # rows (decodes + prompt tokens) a step with prompt tokens may hold and still run the fused
 # kernel (engine/model_runner.py says why prompt rows ride it at all). Where its linears past
@@ -54,6 +60,12 @@ ENCODER_ROWS_CPU_OTHER = 256
 # session 16; before it 2.7-3.3 at 16, 2.4-2.7 at 32, 3.0 at 64; eager 1.6 at 512).
 FUSED_PROMPT_ROWS_PACKED = 1024
 FUSED_PROMPT_ROWS_PANELS = 16
+# With AMX, long prompt chunks attend faster through torch's flash kernel in the eager
+# forward than through the fused kernel's own attention (torch_flash_attention below): a
+# 1,024-token prompt in chunks, ms a token fused / eager (two runs, in turns, 2-core AMX
+# Xeon): 64 rows 0.57-0.59 / 0.63-0.76, 128 0.42-0.52 / 0.44-0.71, 256 0.41-0.54 / 0.35-0.63,
+# 512 0.49 / 0.37, 1,024 0.36 / 0.26
+FUSED_PROMPT_ROWS_AMX = 256
 
 # The native build's row-major GEMV: asking for each weight row 4 KiB ahead keeps memory busy
 # where the hardware prefetcher alone left it idle at every new row, and with it the GEMV beats
@@ -100,6 +112,9 @@ class PlatformPlan:
     # how far ahead the native build asks for weights (0: the hardware prefetcher alone)
     gemv_max_rows: int = GEMV_ROWS_DEFAULT
     weight_prefetch_bytes: int = 0
+    # prompt chunks and the vision tower attend through torch's flash kernel, not
+    # engine.kernels': on AMX it computes bf16 in tiles (decodes stay on the paged kernel)
+    torch_flash_attention: bool = False
 
     @property
     def emulated_bf16(self) -> bool:
@@ -118,7 +133,8 @@ class PlatformPlan:
             f"quantization={self.quantization or 'none'} vision_dtype={_name(self.vision_dtype)} "
             f"encoder_rows_per_item={self.encoder_rows_per_item or 'whole'} "
             f"fused_prompt_rows={self.fused_prompt_rows} gemv_max_rows={self.gemv_max_rows} "
-            f"weight_prefetch={self.weight_prefetch_bytes}"
+            f"weight_prefetch={self.weight_prefetch_bytes} "
+            f"prefill_attention={'torch-flash' if self.torch_flash_attention else 'native'}"
         )
 
 
@@ -148,6 +164,8 @@ def encoder_rows_per_item(
     if rows is None:
         if device.type != "cpu":
             rows = 0
+        elif dtype == torch.bfloat16 and cpu_has_amx():
+            rows = ENCODER_ROWS_AMX
         elif dtype == torch.bfloat16 and cpu_has_fast_bf16():
             rows = ENCODER_ROWS_BF16_ARITHMETIC
         else:
@@ -192,6 +210,9 @@ def plan_platform(
         linear_kind = "plain"
     else:
         linear_kind = "bf16-upcast" if emulated else "onednn-packed"
+    # torch's CPU flash kernel runs bf16 on AMX tiles (brgemm): a 640x480 frame's tower 2.5x
+    # faster than through our AVX512-BF16 kernel, long prompt chunks ~1.3x (2-core AMX Xeon)
+    torch_flash = on_cpu and dtype == torch.bfloat16 and cpu_has_amx()
     # bf16 row-major weights only: int8 matrices run their own panels
     gemv_rows, prefetch_bytes = (
         native_gemv_tuning(cpu_vendor(), cpu_family())
@@ -212,12 +233,15 @@ def plan_platform(
         fused_prompt_rows=(
             0
             if not use_kernels
-            else FUSED_PROMPT_ROWS_PACKED
-            if linear_kind == "onednn-packed"
             else FUSED_PROMPT_ROWS_PANELS
+            if linear_kind != "onednn-packed"
+            else FUSED_PROMPT_ROWS_AMX
+            if torch_flash
+            else FUSED_PROMPT_ROWS_PACKED
         ),
         gemv_max_rows=gemv_rows,
         weight_prefetch_bytes=prefetch_bytes,
+        torch_flash_attention=torch_flash,
     )
 
 

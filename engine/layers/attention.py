@@ -149,11 +149,15 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     kernels=None,
+    native_prefill: bool = True,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D]; caches: [slots, KVH, D]. Returns [T, H, D].
 
-    ``kernels`` (engine.kernels, bf16 CPU only): prefill chunks run its flash kernel, which
-    takes grouped KV heads and a causal offset directly."""
+    ``kernels`` (engine.kernels, bf16 CPU only): decodes and short late chunks run its paged
+    kernel, and, with ``native_prefill`` (the platform plan's choice), longer prompt chunks
+    its flash kernel, which takes grouped KV heads and a causal offset directly; without it
+    they run torch's flash kernel, which on AMX CPUs computes in tiles at several times the
+    rate of ours."""
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
@@ -180,10 +184,11 @@ def paged_attention(
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
         out[:nd] = od.reshape(nd, num_heads, head_dim)
 
-    native = kernels is not None and q.dtype == torch.bfloat16 and q.device.type == "cpu"
+    paged = kernels is not None and q.dtype == torch.bfloat16 and q.device.type == "cpu"
+    native = paged and native_prefill
     for chunk in meta.prefills:
         n = chunk.q_end - chunk.q_start
-        if native and chunk.block_table is not None:
+        if paged and chunk.block_table is not None:
             out[chunk.q_start : chunk.q_end] = kernels.decode_attention(
                 q[chunk.q_start : chunk.q_end],
                 k_cache,

@@ -90,6 +90,7 @@ def load_model(
     for param in visual.parameters():  # parameters only: rotary inv_freq buffers stay fp32
         param.data = param.data.to(vision_dtype)
     model.visual = visual
+    model.torch_flash_attention = plan.torch_flash_attention
     model.load_weights(iter_safetensors(model_dir))
     model.eval()
     kernels = load_cpu_decode() if plan.use_cpu_kernels else None

@@ -31,7 +31,8 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=True)
         self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
         self.scale = head_dim**-0.5
-        self.kernels = None  # engine.kernels module: native prefill attention (bf16 CPU)
+        self.kernels = None  # engine.kernels module: native attention (bf16 CPU)
+        self.native_prefill = True  # long prompt chunks through it too (the platform plan's)
 
     def forward(
         self,
@@ -46,7 +47,9 @@ class Attention(nn.Module):
         q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.kernels)
+        o = paged_attention(
+            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.kernels, self.native_prefill
+        )
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -138,6 +141,9 @@ class Qwen2VLModel(nn.Module):
         # order (int8_decode_weights); None for 16-bit weights
         self.decode_kernel_scales: list[torch.Tensor] | None = None
         self.cpu_kernels = None  # engine.kernels module where the native kernels run
+        # prompt chunks and the vision tower attend through torch's flash kernel, not ours
+        # (engine/platform.py decides; load_model sets it before the kernels)
+        self.torch_flash_attention = False
 
     # ---- forward pieces -------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -157,10 +163,13 @@ class Qwen2VLModel(nn.Module):
         return self.norm(hidden)
 
     def set_cpu_kernels(self, kernels) -> None:
-        """Route bf16 CPU attention (prompt chunks, vision tower) through the native kernels."""
+        """Route bf16 CPU attention through the native kernels: decodes always, prompt chunks
+        and the vision tower unless ``torch_flash_attention`` (set first, from the platform
+        plan: AMX CPUs, where torch's flash kernel is faster)."""
         self.cpu_kernels = kernels
         for layer in self.layers:
             layer.self_attn.kernels = kernels
+            layer.self_attn.native_prefill = not self.torch_flash_attention
         self._vision_tower = None  # rebuilt with the kernels on next use
 
     def decode_kernel_weights(self) -> list[torch.Tensor]:
@@ -239,6 +248,7 @@ class Qwen2VLModel(nn.Module):
                 self.architecture,
                 max_rows_per_item,
                 kernels=self.cpu_kernels,
+                torch_flash=self.torch_flash_attention,
             )
         return self._vision_tower
 

@@ -197,9 +197,21 @@ def test_flash_attention_rejects_bad_shapes() -> None:
         kernels.flash_attention(q.float(), q, q, 1.0, False)
 
 
-def test_native_prefill_attention_gives_the_same_tokens_chunked_or_not(tiny_checkpoint) -> None:
+def _set_prefill_attention(llm: LLM, torch_flash: bool) -> None:
+    """What the platform plan's ``torch_flash_attention`` sets at load, on any CPU."""
+    model = llm.engine.model
+    model.torch_flash_attention = torch_flash
+    model.set_cpu_kernels(model.cpu_kernels)
+    assert all(layer.self_attn.native_prefill != torch_flash for layer in model.layers)
+
+
+@pytest.mark.parametrize("torch_flash", [False, True])
+def test_native_prefill_attention_gives_the_same_tokens_chunked_or_not(
+    tiny_checkpoint, torch_flash: bool
+) -> None:
     """bf16 with the kernels: prompt chunks attend to cached prefixes through the flash
-    kernel; chunk sizes change no greedy token beyond bf16 noise (compared on logits)."""
+    kernel, ours or (AMX CPUs' plan) torch's; chunk sizes change no greedy token beyond bf16
+    noise (compared on logits)."""
     convs = [
         image_conv("describe this picture in detail", noise_image(84, 56, 5)),
         text_conv("count the words in this sentence " * 12),
@@ -209,6 +221,7 @@ def test_native_prefill_attention_gives_the_same_tokens_chunked_or_not(tiny_chec
     for budget in (16, 64, 4096):
         llm = LLM(model=str(tiny_checkpoint), dtype="bfloat16", max_num_batched_tokens=budget)
         assert llm.engine.model.cpu_kernels is not None
+        _set_prefill_attention(llm, torch_flash)
         logs = _capture_sampled_logits(llm)
         llm.chat(convs, params)
         logits[budget] = torch.cat(logs)
@@ -346,6 +359,11 @@ def test_fused_prompt_steps_match_eager(tiny_checkpoint, rows: int) -> None:
         model=str(tiny_checkpoint), dtype="bfloat16", block_size=4, max_num_batched_tokens=rows
     )
     runner = llm.engine.runner
+    if llm.engine.platform.linear_kind == "onednn-packed" and runner.fused_prompt_rows < rows:
+        # the plan keeps long chunks eager here (AMX: torch's flash attention beats the
+        # kernel's); the kernel's path is what other bf16 CPUs take, so it is tested anyway
+        runner.fused_prompt_rows = rows
+        llm.engine.scheduler.config.fused_prefill_rows = runner.fused_prefill_rows
     if runner.fused_prefill_rows < rows:
         assert rows > 16 and not llm.engine.platform.bf16_arithmetic
         pytest.skip(f"this CPU's plan runs prompt steps of {rows} rows eager")

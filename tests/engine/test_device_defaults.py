@@ -53,19 +53,25 @@ def _rows(device: str, dtype: torch.dtype, requested: int | None = None) -> int 
 def test_encoder_items_follow_the_device(monkeypatch) -> None:
     assert _rows("cuda", torch.bfloat16) is None  # whole stages
     assert _rows("cpu", torch.float32) == 256
+    monkeypatch.setattr("engine.platform.cpu_has_amx", lambda: False)
     monkeypatch.setattr("engine.platform.cpu_has_fast_bf16", lambda: True)
     assert _rows("cpu", torch.bfloat16) == 64
+    monkeypatch.setattr("engine.platform.cpu_has_amx", lambda: True)
+    assert _rows("cpu", torch.bfloat16) == 512
+    assert _rows("cpu", torch.float32) == 256
+    monkeypatch.setattr("engine.platform.cpu_has_amx", lambda: False)
     monkeypatch.setattr("engine.platform.cpu_has_fast_bf16", lambda: False)
     assert _rows("cpu", torch.bfloat16) == 256
     assert _rows("cpu", torch.bfloat16, requested=32) == 32
     assert _rows("cpu", torch.bfloat16, requested=0) is None
 
 
-def _plan(monkeypatch, fast_bf16: bool, variant: str | None = "avx2", **kw):
+def _plan(monkeypatch, fast_bf16: bool, variant: str | None = "avx2", amx: bool = False, **kw):
     import engine.kernels
     import engine.layers.linear
 
     monkeypatch.setattr("engine.platform.cpu_has_fast_bf16", lambda: fast_bf16)
+    monkeypatch.setattr("engine.platform.cpu_has_amx", lambda: amx)
     monkeypatch.setattr(engine.kernels, "cpu_variant", lambda: variant)
     monkeypatch.setattr(engine.layers.linear, "cpu_packing_available", lambda dtype: True)
     return plan_platform(torch.device("cpu"), kw.pop("dtype", torch.bfloat16), **kw)
@@ -84,6 +90,14 @@ def test_the_platform_plan_decides_together(monkeypatch) -> None:
     assert fast.use_cpu_kernels and not fast.emulated_bf16
     # prompt steps ride the fused kernel up to 1,024 rows over oneDNN's GEMM, 16 over panels
     assert fast.fused_prompt_rows == 1024 and "fused_prompt_rows=1024" in fast.describe()
+    assert not fast.torch_flash_attention and "prefill_attention=native" in fast.describe()
+    # AMX: prompt chunks and the tower attend through torch's flash kernel (AMX tiles), so
+    # long chunks leave the fused kernel (its attention is ours); decodes keep it
+    amx = _plan(monkeypatch, True, variant="native-bf16", amx=True)
+    assert amx.torch_flash_attention and "prefill_attention=torch-flash" in amx.describe()
+    assert amx.fused_prompt_rows == 256 and amx.use_cpu_kernels
+    assert amx.encoder_rows_per_item == 512
+    assert not _plan(monkeypatch, True, amx=True, dtype=torch.float32).torch_flash_attention
     # the native GEMV prefetches weights and takes 16 rows on Intel, 12 on Zen 5, neither on
     # Zen 4 (family 25) nor on a CPU nobody measured
     for vendor, family, rows, ahead in (

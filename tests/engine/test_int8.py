@@ -185,7 +185,11 @@ def test_fused_int8_step_logits_match_the_eager_int8_path(bf16_int8) -> None:
         scale, diff = eager.abs().max().item(), (fused - eager).abs()
         assert diff.max().item() <= 0.03 * scale, f"max |fused - eager| {diff.max():.4f}"
         assert diff.mean().item() <= 0.005 * scale, f"mean |fused - eager| {diff.mean():.4f}"
-        assert torch.equal(fused.argmax(-1), eager.argmax(-1))
+        # the same token wherever the eager top two lie further apart than that noise (a
+        # near-tie may go either way: seen on an AMX CPU, whose prompts attend through torch)
+        top2 = eager.topk(2, dim=-1).values
+        confident = (top2[:, 0] - top2[:, 1]) > 2 * diff.max(dim=-1).values
+        assert torch.equal(fused.argmax(-1)[confident], eager.argmax(-1)[confident])
     runner._forward_and_sample = pairs._forward
 
 

@@ -347,3 +347,25 @@ def test_native_flash_attention_matches_the_fused_kernel(tiny_checkpoint, max_ro
         return _encode_to_end(job)
 
     _assert_matches_sdpa(run(True), run(False))
+
+
+def test_torch_flash_plan_takes_sdpa_over_the_kernels_and_the_matmuls(tiny_checkpoint):
+    """AMX CPUs (the platform plan's ``torch_flash_attention``): the tower attends through
+    torch's flash kernel even where engine.kernels is built, and agrees with the native
+    kernel's result."""
+    from engine.kernels import load_cpu_decode
+
+    kernels = load_cpu_decode()
+    model, hf_config, arch = _load_with_bf16_tower(tiny_checkpoint)
+    pixels, grid = _inputs(model, [[1, 12, 20], [1, 4, 6]], seed=3)
+
+    def run(torch_flash: bool) -> torch.Tensor:
+        tower = VisionTower(
+            model.visual, hf_config.vision_config, arch, 37, kernels, torch_flash=torch_flash
+        )
+        job = tower.job(pixels, grid)
+        assert not job._native if torch_flash else job._native == (kernels is not None)
+        assert job._matmul_attention != torch_flash
+        return _encode_to_end(job)
+
+    _assert_matches_sdpa(run(False), run(True))
