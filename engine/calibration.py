@@ -272,6 +272,8 @@ def calibration_key(engine: LLMEngine) -> str:
         "config": (engine.model_dir / "config.json").read_text(),
         "dtype": str(engine.dtype),
         "quantization": args.quantization,
+        # every hardware choice (attention kind, linears, kernels build): a new one is new code
+        "platform": engine.platform.describe(),
         "fused_decode_rows": engine.runner.fused_decode_rows,
         "fused_prefill_rows": engine.runner.fused_prefill_rows,
         "gemv_max_rows": engine.runner.gemv_max_rows,

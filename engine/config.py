@@ -183,7 +183,8 @@ HELP = {
     "encoder_cache_size": "image embeddings (in tokens) kept for reuse",
     "enable_chunked_encoder": "advance image encoding under the step budget (off: whole image)",
     "encoder_rows_per_item": "patch rows per unit of encoder work (smaller: finer steps; 0: whole "
-    "stages; default 64 on CPUs with bf16 arithmetic, 256 on other CPUs, 0 on GPUs)",
+    "stages; default 512 on CPUs with AMX, 64 on other CPUs with bf16 arithmetic, 256 on the "
+    "rest, 0 on GPUs)",
     "seed": "global seed (per-request seeds come from SamplingParams)",
     "num_threads": "torch CPU threads (default: torch's choice)",
     "max_queue_len": "waiting requests before new ones are refused with 429 and Retry-After "

@@ -2,22 +2,51 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 import engine.device
 from engine.device import resolve_dtype
-from engine.kernels import load_cpu_decode
 from engine.platform import encoder_rows_per_item, plan_platform
 
 CPU = torch.device("cpu")
 
 
-def test_auto_dtype_is_bf16_where_the_cpu_runs_it_fast_or_the_kernels_build() -> None:
-    fast = engine.device.cpu_has_fast_bf16() or load_cpu_decode() is not None
-    assert resolve_dtype("auto", CPU) == (torch.bfloat16 if fast else torch.float32)
+def _cpuinfo_flags() -> set[str]:
+    """This CPU's flags as the kernel reports them: a second opinion on torch's probes."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.mark.parametrize(
+    ("fast_bf16", "kernels_built", "want"),
+    [(True, False, torch.bfloat16), (False, True, torch.bfloat16), (False, False, torch.float32)],
+)
+def test_auto_dtype_is_bf16_where_the_cpu_runs_it_fast_or_the_kernels_build(
+    monkeypatch, fast_bf16: bool, kernels_built: bool, want: torch.dtype
+) -> None:
+    import engine.kernels
+
+    monkeypatch.setattr(engine.device, "cpu_has_fast_bf16", lambda: fast_bf16)
+    monkeypatch.setattr(
+        engine.kernels, "load_cpu_decode", lambda: object() if kernels_built else None
+    )
+    assert resolve_dtype("auto", CPU) == want
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     assert resolve_dtype("float32", CPU) == torch.float32
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads /proc/cpuinfo")
+def test_cpu_probes_agree_with_the_kernels_flags() -> None:
+    """torch's probes against /proc/cpuinfo: a probe that lies (or a torch that renames it)
+    would silently move every plan choice made from it (dtype, kernels, attention)."""
+    flags = _cpuinfo_flags()
+    assert engine.device.cpu_has_amx() == ({"amx_tile", "amx_bf16"} <= flags)
+    assert engine.device.cpu_has_fast_bf16() == bool({"avx512_bf16", "amx_bf16"} & flags)
 
 
 def test_auto_dtype_without_bf16_arithmetic_or_kernels_is_fp32(monkeypatch) -> None:
@@ -97,6 +126,7 @@ def test_the_platform_plan_decides_together(monkeypatch) -> None:
     assert amx.torch_flash_attention and "prefill_attention=torch-flash" in amx.describe()
     assert amx.fused_prompt_rows == 256 and amx.use_cpu_kernels
     assert amx.encoder_rows_per_item == 512
+    assert (amx.gemv_max_rows, amx.weight_prefetch_bytes) == (8, 4096)  # oneDNN in tiles past 8
     assert not _plan(monkeypatch, True, amx=True, dtype=torch.float32).torch_flash_attention
     # the native GEMV prefetches weights and takes 16 rows on Intel, 12 on Zen 5, neither on
     # Zen 4 (family 25) nor on a CPU nobody measured
