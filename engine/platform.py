@@ -76,20 +76,21 @@ FUSED_PROMPT_ROWS_AMX = 256
 # - AVX512-BF16 EPYC, Zen 5 (family 26): batch 1 6.65 -> 5.96 ms, batch 4 8.36 -> 6.82, batch 8
 #   10.3 (oneDNN) -> 6.3-6.7 (GEMV), batch 12 10.3-10.7 -> 9.1-9.3; at 16 oneDNN wins (10.9-11.3
 #   against 13.8-14.1), so the GEMV stops at 12 rows there.
-# - AMX Xeon (family 6 model 167, 2 cores): oneDNN's GEMM runs in tiles and catches up with the
-#   GEMV at 8 rows (14.2-14.4 ms either way; batch 4 10.6-10.9 GEMV against 14.0, batch 12
-#   15.2 against 20.7, batch 16 16.3 against 28.6), so the GEMV stops at 8 rows there. Steps
-#   of 4 chat decodes and a few camera prompt rows had crossed 8 rows into the slow GEMV.
+# - AMX Xeon (family 6 model 167, 2 cores): in-process, oneDNN's GEMM runs in tiles and
+#   catches up with the GEMV at 8 rows (14.2-14.4 ms either way; batch 4 10.6-10.9 GEMV
+#   against 14.0, batch 12 15.2 against 20.7, batch 16 16.3 against 28.6). In the server it
+#   did not: steps of 4 chat decodes and 5-7 camera prompt rows (9-11 rows) ran 2.2x a
+#   decode-only step through oneDNN against 1.8-1.95x through the GEMV, and chat ITL p99 under
+#   the issue-14 workload read 1.77-1.89x alone against 1.36-1.54x (two server runs each,
+#   session 20). The server is what users run: AMX keeps Intel's 16 rows.
 # - On a Zen 4 EPYC (family 25) an earlier prefetch had lost to the hardware's (session 3, not
 #   re-measured since): there the GEMV stops at 4 rows with no software prefetch, as before.
 NATIVE_PREFETCH_BYTES = 4096
 GEMV_ROWS_DEFAULT = 4
 
 
-def native_gemv_tuning(vendor: str, family: int, amx: bool = False) -> tuple[int, int]:
+def native_gemv_tuning(vendor: str, family: int) -> tuple[int, int]:
     """(GEMV row limit, weight prefetch bytes) of the native-bf16 build on this CPU."""
-    if amx:
-        return 8, NATIVE_PREFETCH_BYTES
     if vendor == "GenuineIntel":
         return 16, NATIVE_PREFETCH_BYTES
     if vendor == "AuthenticAMD" and family >= 26:
@@ -221,7 +222,7 @@ def plan_platform(
     torch_flash = on_cpu and dtype == torch.bfloat16 and cpu_has_amx()
     # bf16 row-major weights only: int8 matrices run their own panels
     gemv_rows, prefetch_bytes = (
-        native_gemv_tuning(cpu_vendor(), cpu_family(), amx=on_cpu and cpu_has_amx())
+        native_gemv_tuning(cpu_vendor(), cpu_family())
         if use_kernels and quantization is None and variant == "native-bf16"
         else (GEMV_ROWS_DEFAULT, 0)
     )
