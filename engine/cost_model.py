@@ -2,7 +2,7 @@
 
     step_s ≈ fixed + l·lm_forward + a·prefill_tokens + b·decode_tokens
              + Σ_k h_k·max(0, rows − k) + c·attention_units + d·encoder_units
-             + i·encoder_items
+             + i·encoder_items + m·mixed_step + p·mixed_prefill_tokens
 
 ``rows`` are all new tokens of the step (decode and prefill): the weights are read once per
 step whatever the row count, so up to the machine's ridge point (a few rows on a CPU, hundreds
@@ -23,6 +23,16 @@ kernel takes, or with prompt tokens and more rows in all than the kernel's GEMV 
 (``fused_prefill_rows``), pays the eager path's per-op overhead (and, in bf16 on CPUs without
 bf16 arithmetic, the widening of every weight) that a fused step does not. Without the kernel
 it is always 0.
+
+``mixed_step`` is 1 for a step with both prompt tokens and decodes, and
+``mixed_prefill_tokens`` its prompt tokens: a prompt row beside decodes costs more than one
+alone (the decodes' rows put the chunk's linears past the cheap part of the GEMV, and the
+chunk's own attention pass is one more per layer). Calibrated on a 2-core AMX Xeon, 4 decodes
+plus 4, 8, 16 and 32 prompt tokens ran 15.5, 17, 19.6 and 26 ms against 13.0, 14.0, 16.1 and
+20.7 predicted without them (14.2, 16.1, 20.0 and 27.8 with them), the prompt-only and
+decode-only steps of the same fit within a few percent either way: the chat ITL target was
+overshot by exactly the steps that carry camera rows beside chat, whose tail set the chat
+ITL p99 in the server.
 
 ``attention_units`` is the query×key work of the step (each new token times the context it
 attends to, in thousands) and ``encoder_units`` the vision-tower work run in the step (in
@@ -62,6 +72,8 @@ FEATURES = (
     "encoder_items",
     "eager_forward",
     "lm_forward",
+    "mixed_step",
+    "mixed_prefill_tokens",
 )
 
 
@@ -100,6 +112,8 @@ class StepFeatures:
                 self.encoder_items,
                 float(self.eager_forward),
                 float(rows > 0),
+                float(self.prefill_tokens > 0 and self.decode_tokens > 0),
+                self.prefill_tokens if self.decode_tokens > 0 else 0,
             ]
         )
 

@@ -351,7 +351,7 @@ class Scheduler:
         if k == 0:
             req.deferred_steps += 1
             if req.deferred_steps > self.config.max_deferred_steps:
-                return min(n, budget.starved_chunk(self.kv.block_size))
+                return min(n, budget.starved_chunk(self.kv.block_size, start))
         return k
 
     # ---- stall-free encoding --------------------------------------------------------------
