@@ -26,13 +26,13 @@ it is always 0.
 
 ``mixed_step`` is 1 for a step with both prompt tokens and decodes, and
 ``mixed_prefill_tokens`` its prompt tokens: a prompt row beside decodes costs more than one
-alone (the decodes' rows put the chunk's linears past the cheap part of the GEMV, and the
-chunk's own attention pass is one more per layer). Calibrated on a 2-core AMX Xeon, 4 decodes
-plus 4, 8, 16 and 32 prompt tokens ran 15.5, 17, 19.6 and 26 ms against 13.0, 14.0, 16.1 and
-20.7 predicted without them (14.2, 16.1, 20.0 and 27.8 with them), the prompt-only and
-decode-only steps of the same fit within a few percent either way: the chat ITL target was
-overshot by exactly the steps that carry camera rows beside chat, whose tail set the chat
-ITL p99 in the server.
+alone (not pinned down; likely the decodes' rows taking the chunk's linears past the cheap
+part of the fused GEMV, and the chunk's own attention pass per layer). Calibrated on a
+2-core AMX Xeon, 4 decodes plus 4, 8, 16 and 32 prompt tokens ran 15.5, 17, 19.6 and 26 ms
+against 13.0, 14.0, 16.1 and 20.7 predicted without them (14.2, 16.1, 20.0 and 27.8 with
+them), the prompt-only and decode-only steps of the same fit within a few percent either
+way: the chat ITL target was overshot by exactly the steps that carry camera rows beside
+chat, whose tail set the chat ITL p99 in the server.
 
 ``attention_units`` is the query×key work of the step (each new token times the context it
 attends to, in thousands) and ``encoder_units`` the vision-tower work run in the step (in

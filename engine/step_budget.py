@@ -29,7 +29,7 @@ from engine.cost_model import StepCostModel, StepFeatures, chunk_attention_units
 
 AUTO = "auto"
 # a prompt the time limit starved for ``max_deferred_steps`` steps may stretch the step it is
-# forced into this far past the limit, one token at least: one block a time beside four chat
+# forced into this far past the limit, one token at least: one block at a time beside four chat
 # streams (a 42 ms step against a 23 ms target on a 2-core AMX Xeon, every 17th step while six
 # frames waited) set the chat ITL p99 on its own
 STARVED_STEP_STRETCH = 1.25
