@@ -58,26 +58,25 @@ def cpu_family() -> int:
     return int(value) if value.isdigit() else 0
 
 
+def _torch_cpu_probe(name: str) -> bool:
+    """One of torch.cpu's private capability probes; False where this torch lacks it or it
+    fails (tests/engine/test_device_defaults.py checks them against /proc/cpuinfo)."""
+    fn = getattr(torch.cpu, name, None)
+    try:
+        return bool(fn is not None and fn())
+    except Exception:
+        return False
+
+
 def cpu_has_fast_bf16() -> bool:
     """AVX512-BF16 or AMX: bf16 matmuls run 2-8x faster than fp32 on such CPUs."""
-    for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
-        fn = getattr(torch.cpu, probe, None)
-        try:
-            if fn is not None and fn():
-                return True
-        except Exception:
-            continue
-    return False
+    return cpu_has_amx() or _torch_cpu_probe("_is_avx512_bf16_supported")
 
 
 def cpu_has_amx() -> bool:
     """AMX tiles (Xeons since Sapphire Rapids): oneDNN and torch's CPU flash attention run bf16
     products on them at several times the AVX512-BF16 rate."""
-    fn = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    try:
-        return bool(fn is not None and fn())
-    except Exception:
-        return False
+    return _torch_cpu_probe("_is_amx_tile_supported")
 
 
 def resolve_dtype(name: str, device: torch.device, cpu_kernels: bool = True) -> torch.dtype:

@@ -190,18 +190,7 @@ class StepBudget:
         def cost(k: int) -> float:
             return self.cost_model.predict(self.features.plus(_chunk(start, k)))
 
-        if cost(n) <= self.limit_s:
-            k = n
-        else:
-            lo, hi = 0, n  # cost(lo) fits (lo = 0: nothing), cost(hi) does not
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if cost(mid) <= self.limit_s:
-                    lo = mid
-                else:
-                    hi = mid
-            k = lo
-        return self._better_fused(k, cost)
+        return self._better_fused(_largest_within(cost, n, self.limit_s), cost)
 
     def starved_chunk(self, block_size: int, start: int = 0) -> int:
         """Tokens a prefill (at ``start``) starved by the time limit gets anyway: one block,
@@ -227,11 +216,11 @@ class StepBudget:
         limit; all ``n`` without a limit or a fitted prefill price."""
         if self.limit_s is None or self.cost_model.compute_bound_prefill_s() <= 0 or n <= 1:
             return n
-        bound = STARVED_STEP_STRETCH * self.limit_s
-        k = n
-        while k > 1 and self.cost_model.predict(self.features.plus(_chunk(start, k))) > bound:
-            k -= 1
-        return k
+
+        def cost(k: int) -> float:
+            return self.cost_model.predict(self.features.plus(_chunk(start, k)))
+
+        return max(1, _largest_within(cost, n, STARVED_STEP_STRETCH * self.limit_s))
 
     def _better_fused(self, k: int, cost: Callable[[int], float]) -> int:
         """A chunk that would push the step out of the fused kernel is cut back to the rows
@@ -292,6 +281,21 @@ class StepBudget:
         self.features.encoder_units += units
         self.features.encoder_items += 1
         self.tokens_left -= math.ceil(units * self.tokens_per_encoder_unit())
+
+
+def _largest_within(cost: Callable[[int], float], n: int, bound: float) -> int:
+    """Largest k <= n with cost(k) <= bound (0 when none): a binary search, the cost of a
+    chunk growing with its tokens."""
+    if cost(n) <= bound:
+        return n
+    lo, hi = 0, n  # cost(lo) fits (lo = 0: nothing), cost(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if cost(mid) <= bound:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _chunk(start: int, n: int) -> StepFeatures:

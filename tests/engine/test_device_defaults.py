@@ -14,14 +14,6 @@ from engine.platform import encoder_rows_per_item, plan_platform
 CPU = torch.device("cpu")
 
 
-def _cpuinfo_flags() -> set[str]:
-    """This CPU's flags as the kernel reports them: a second opinion on torch's probes."""
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
 @pytest.mark.parametrize(
     ("fast_bf16", "kernels_built", "want"),
     [(True, False, torch.bfloat16), (False, True, torch.bfloat16), (False, False, torch.float32)],
@@ -44,7 +36,7 @@ def test_auto_dtype_is_bf16_where_the_cpu_runs_it_fast_or_the_kernels_build(
 def test_cpu_probes_agree_with_the_kernels_flags() -> None:
     """torch's probes against /proc/cpuinfo: a probe that lies (or a torch that renames it)
     would silently move every plan choice made from it (dtype, kernels, attention)."""
-    flags = _cpuinfo_flags()
+    flags = set(engine.device.cpuinfo_field("flags").split())  # the kernel's own word
     assert engine.device.cpu_has_amx() == ({"amx_tile", "amx_bf16"} <= flags)
     assert engine.device.cpu_has_fast_bf16() == bool({"avx512_bf16", "amx_bf16"} & flags)
 
