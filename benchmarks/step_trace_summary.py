@@ -5,7 +5,8 @@ A server started with ``--step-trace steps.jsonl`` (or ``VISION_SERVE_STEP_TRACE
 line per step; this prints, per ``--window`` seconds: steps, those with ``--min-decodes``
 decodes or more (chat steps) and their median / p99 time, encoder units and items run, the
 encoder's own ms per unit and per item, prompt tokens, and the median time limit the budget
-applied to the chat steps.
+applied to the chat steps, and the median share of a chat step's wall time its thread spent on
+a CPU (well under 1: it waited for the GIL, a core or its OpenMP workers).
 
     python -m benchmarks.step_trace_summary steps.jsonl [--window 30] [--min-decodes 3]
 """
@@ -52,6 +53,7 @@ def summarise(rows: list[dict], window_s: float, min_decodes: int) -> list[dict]
         items = sum(r["encoder_items"] for r in steps)
         encoder_s = sum(r["encoder_s"] for r in steps)
         limits = [r["target_s"] for r in chat if r.get("target_s")]
+        cpu = [r["cpu_s"] / r["step_s"] for r in chat if r.get("cpu_s") and r["step_s"] > 0]
         out.append(
             {
                 "from_s": index * window_s,
@@ -61,6 +63,8 @@ def summarise(rows: list[dict], window_s: float, min_decodes: int) -> list[dict]
                 if chat
                 else None,
                 "chat_step_ms_p99": 1e3 * _p([r["step_s"] for r in chat], 0.99) if chat else None,
+                # the step thread's CPU time over its wall time (older traces have none)
+                "chat_cpu_share_p50": statistics.median(cpu) if cpu else None,
                 "encoder_units": units,
                 "encoder_items": items,
                 "encoder_ms_per_unit": 1e3 * encoder_s / units if units else None,
@@ -86,7 +90,7 @@ def main() -> None:
     table = summarise(load(args.trace), args.window, args.min_decodes)
     print(
         "from s | steps | chat steps | chat ms p50/p99 | encoder units/items | "
-        "ms per unit/item | prompt tokens | chat limit ms"
+        "ms per unit/item | prompt tokens | chat limit ms | chat cpu/wall"
     )
     for w in table:
         print(
@@ -94,7 +98,8 @@ def main() -> None:
             f"{_fmt(w['chat_step_ms_p50'])}/{_fmt(w['chat_step_ms_p99'])} | "
             f"{w['encoder_units']:.0f}/{w['encoder_items']} | "
             f"{_fmt(w['encoder_ms_per_unit'], '.3f')}/{_fmt(w['encoder_ms_per_item'])} | "
-            f"{w['prefill_tokens']} | {_fmt(w['chat_limit_ms_p50'])}"
+            f"{w['prefill_tokens']} | {_fmt(w['chat_limit_ms_p50'])} | "
+            f"{_fmt(w['chat_cpu_share_p50'], '.2f')}"
         )
     if args.out:
         save_json(args.out, {"windows": table, "args": {**vars(args), "trace": str(args.trace)}})

@@ -1,6 +1,8 @@
-"""The native GEMV's software weight prefetch and row limit, in turns inside one engine:
-decode step time per batch size, prefetch distance and ``gemv_max_rows`` (past it a decode step
-runs oneDNN's packed GEMM).
+"""The native GEMV's software weight prefetch, row limit and kind, in turns inside one engine:
+decode step time per batch size, prefetch distance, ``gemv_max_rows`` (past it a decode step
+runs oneDNN's packed GEMM) and, on AMX CPUs, dot products against AMX tiles
+(``engine/kernels/amx_gemv.h``; the tiles prefetch their own way, so they run once per row
+limit, at no distance of this script's).
 
 Why in one process: the machines here move 20-40 % between minutes, more than the effect; the
 distance is a setting of the fused decoder (``FusedDecoder.set_weight_prefetch``), so each
@@ -13,7 +15,7 @@ fused decoder, which shares the engine's weights).
 The emulated builds prefetch by compilation and are not affected (the script says so).
 
     python -m benchmarks.weight_prefetch [--batches 1 4 8] [--distances 0 2048 4096 8192]
-        [--gemv-rows 4 16]
+        [--gemv-rows 4 16] [--kinds dot amx-tiles]
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ def main() -> None:
         "--gemv-rows", type=int, nargs="+", default=None,
         help="GEMV row limits to try (default: the plan's only)",
     )  # fmt: skip
+    ap.add_argument(
+        "--kinds", nargs="+", choices=["dot", "amx-tiles"], default=None,
+        help="GEMV kinds to try (default: both where AMX runs, else dot)",
+    )  # fmt: skip
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=48, help="decode steps per measurement")
     ap.add_argument("--out", default="weight_prefetch.json")
@@ -70,12 +76,19 @@ def main() -> None:
         return
     runner = engine.runner
     plan_distance, plan_rows = runner.weight_prefetch_bytes, runner.gemv_max_rows
+    plan_tiles = runner.gemv_amx_tiles
     row_limits = args.gemv_rows or [plan_rows]
+    kinds = args.kinds or (["dot", "amx-tiles"] if kernels.amx_usable() else ["dot"])
+    if "amx-tiles" in kinds and not kernels.amx_usable():
+        raise SystemExit("--kinds amx-tiles: this CPU or OS runs no AMX")
     decoders = {}
     for rows in row_limits:  # one fused decoder per limit, built once, swapped in turns
         runner.gemv_max_rows = rows
         decoders[rows] = runner._build_fused_decoder()
-    variants = [(rows, d) for rows in row_limits for d in args.distances]
+    runner.gemv_amx_tiles = False  # each variant sets its own kind
+    variants = [(rows, d, "dot") for rows in row_limits for d in args.distances] * (
+        "dot" in kinds
+    ) + [(rows, plan_distance, "amx-tiles") for rows in row_limits] * ("amx-tiles" in kinds)
     median_decode_step(engine, "warm", 1, 4)
     results: dict[int, dict[str, list[float]]] = {
         b: {variant_name(*v): [] for v in variants} for b in args.batches
@@ -84,14 +97,18 @@ def main() -> None:
         for r in range(args.rounds):
             order = variants if r % 2 == 0 else variants[::-1]
             for batch in args.batches:
-                for rows, distance in order:
+                for rows, distance, kind in order:
                     runner.fused_decoder = decoders[rows]
                     decoders[rows].set_weight_prefetch(distance)
-                    tag = f"{r}-{batch}-{rows}-{distance}"
+                    decoders[rows].set_amx_gemv(kind == "amx-tiles")
+                    tag = f"{r}-{batch}-{rows}-{distance}-{kind}"
                     step = median_decode_step(engine, tag, batch, args.steps)
-                    results[batch][variant_name(rows, distance)].append(step)
+                    results[batch][variant_name(rows, distance, kind)].append(step)
     finally:
-        runner.gemv_max_rows, runner.fused_decoder = plan_rows, decoders.get(plan_rows)
+        runner.gemv_max_rows, runner.gemv_amx_tiles = plan_rows, plan_tiles
+        runner.fused_decoder = decoders.get(plan_rows)
+        if runner.fused_decoder is not None:
+            runner.fused_decoder.set_amx_gemv(plan_tiles)
     summary = {
         batch: {name: 1e3 * statistics.median(v) for name, v in per.items()}
         for batch, per in results.items()
@@ -99,7 +116,8 @@ def main() -> None:
     for batch, per in summary.items():
         row = "  ".join(f"{name}: {ms:.2f} ms" for name, ms in per.items())
         log(f"batch {batch}: {row}")
-    log(f"the plan here: {variant_name(plan_rows, plan_distance)}")
+    plan_kind = "amx-tiles" if plan_tiles else "dot"
+    log(f"the plan here: {variant_name(plan_rows, plan_distance, plan_kind)}")
     save_json(
         args.out,
         {
@@ -107,12 +125,15 @@ def main() -> None:
             "steps_s": results,
             "plan_distance": plan_distance,
             "gemv_max_rows": plan_rows,
+            "gemv_kind": plan_kind,
             "args": vars(args),
         },
     )
 
 
-def variant_name(rows: int, distance: int) -> str:
+def variant_name(rows: int, distance: int, kind: str = "dot") -> str:
+    if kind == "amx-tiles":
+        return f"gemv<={rows} amx-tiles"
     return f"gemv<={rows} prefetch {distance} B"
 
 

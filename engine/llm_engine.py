@@ -87,6 +87,7 @@ class LLMEngine:
             fused_prompt_rows=self.platform.fused_prompt_rows,
             gemv_max_rows=self.platform.gemv_max_rows,
             weight_prefetch_bytes=self.platform.weight_prefetch_bytes,
+            gemv_amx_tiles=self.platform.gemv_amx_tiles,
         )
         limits = args.step_limits()
         self.scheduler = Scheduler(
@@ -259,7 +260,7 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         sched = self.scheduler.schedule()
         self.last_step_idle = sched.is_empty and not sched.expired
         result = self.runner.execute(sched) if not sched.is_empty else None
@@ -292,7 +293,7 @@ class LLMEngine:
             out = self._make_output(req, new_ids, finished=True)
             if out is not None:
                 outputs.append(out)
-        self._record_step(sched, result, time.perf_counter() - t0)
+        self._record_step(sched, result, time.perf_counter() - t0, time.thread_time() - cpu0)
         return outputs
 
     def _make_output(
@@ -341,7 +342,7 @@ class LLMEngine:
             num_image_tokens=req.prompt.num_image_tokens,
         )
 
-    def _record_step(self, sched, result, elapsed: float) -> None:
+    def _record_step(self, sched, result, elapsed: float, cpu_s: float | None = None) -> None:
         s = self.stats
         if sched.is_empty:
             return
@@ -352,7 +353,7 @@ class LLMEngine:
             encoder_s = result.encoder_work_s
         self.scheduler.cost_model.observe(sched.features, elapsed, encoder_s)
         if self.step_trace is not None:
-            self.step_trace.record(sched, result, elapsed)
+            self.step_trace.record(sched, result, elapsed, cpu_s)
         s.num_steps += 1
         s.last_step_time_s = elapsed
         s.record_step_time(elapsed)

@@ -76,6 +76,7 @@ class ModelRunner:
         fused_prompt_rows: int = 16,
         gemv_max_rows: int = 4,
         weight_prefetch_bytes: int = 0,
+        gemv_amx_tiles: bool = False,
     ) -> None:
         self.model = model
         # the platform plan's (engine/platform.py): rows of prompt steps in the fused kernel,
@@ -83,6 +84,7 @@ class ModelRunner:
         self.fused_prompt_rows = fused_prompt_rows
         self.gemv_max_rows = gemv_max_rows
         self.weight_prefetch_bytes = weight_prefetch_bytes
+        self.gemv_amx_tiles = gemv_amx_tiles
         self.encoder_rows_per_item = encoder_rows_per_item
         # set by leave_a_core_to_the_front_end (the server's AsyncEngine); None: every thread
         self.encoder_threads_beside_chat: int | None = None
@@ -186,6 +188,8 @@ class ModelRunner:
         except RuntimeError as exc:  # a shape the kernel does not take: eager decode
             log.warning("fused CPU decode off for this model: %s", exc)
             return None
+        if self.gemv_amx_tiles and not decoder.set_amx_gemv(True):
+            log.warning("AMX GEMV asked for but unavailable (OS or build): dot products")
         # older builds have no max_rows(): the row-major kernel's limit
         self._kernel_rows = int(getattr(decoder, "max_rows", lambda: self.UNPACKED_MAX_ROWS)())
         return decoder

@@ -83,6 +83,13 @@ FUSED_PROMPT_ROWS_AMX = 256
 #   decode-only step through oneDNN against 1.8-1.95x through the GEMV, and chat ITL p99 under
 #   the issue-14 workload read 1.77-1.89x alone against 1.36-1.54x (two server runs each,
 #   session 20). The server is what users run: AMX keeps Intel's 16 rows.
+# - AMX Xeons since session 22: that GEMV runs on AMX tiles (engine/kernels/amx_gemv.h), the
+#   weights packed a second time as 16 x 32 tiles. In turns inside one engine
+#   (``python -m benchmarks.weight_prefetch --batches 1 4 8 12 16 --distances 4096``, a slow
+#   minute of the 2-core family 6 model 167 machine): batch 1 16.5 against 17.4 ms, batch 4
+#   17.8 / 17.0, batch 8 19.6 / 23.3, batch 12 21.0 / 31.0, batch 16 24.5 / 40.3 (oneDNN's GEMM
+#   past 4 rows: 37-42 ms at 8-16 rows that minute). The dot product is compute-bound from a
+#   few rows here; tiles read the weights at any row count up to 16.
 # - On a Zen 4 EPYC (family 25) an earlier prefetch had lost to the hardware's (session 3, not
 #   re-measured since): there the GEMV stops at 4 rows with no software prefetch, as before.
 NATIVE_PREFETCH_BYTES = 4096
@@ -119,6 +126,8 @@ class PlatformPlan:
     # how far ahead the native build asks for weights (0: the hardware prefetcher alone)
     gemv_max_rows: int = GEMV_ROWS_DEFAULT
     weight_prefetch_bytes: int = 0
+    # that GEMV on AMX tiles (engine/kernels/amx_gemv.h) rather than AVX512-BF16 dot products
+    gemv_amx_tiles: bool = False
     # prompt chunks and the vision tower attend through torch's flash kernel, not
     # engine.kernels': on AMX it computes bf16 in tiles (decodes stay on the paged kernel)
     torch_flash_attention: bool = False
@@ -141,6 +150,7 @@ class PlatformPlan:
             f"encoder_rows_per_item={self.encoder_rows_per_item or 'whole'} "
             f"fused_prompt_rows={self.fused_prompt_rows} gemv_max_rows={self.gemv_max_rows} "
             f"weight_prefetch={self.weight_prefetch_bytes} "
+            f"gemv={'amx-tiles' if self.gemv_amx_tiles else 'dot'} "
             f"prefill_attention={'torch-flash' if self.torch_flash_attention else 'native'}"
         )
 
@@ -226,6 +236,7 @@ def plan_platform(
         if use_kernels and quantization is None and variant == "native-bf16"
         else (GEMV_ROWS_DEFAULT, 0)
     )
+    gemv_tiles = use_kernels and quantization is None and variant == "native-bf16" and cpu_has_amx()
     return PlatformPlan(
         device=device,
         dtype=dtype,
@@ -248,6 +259,7 @@ def plan_platform(
         ),
         gemv_max_rows=gemv_rows,
         weight_prefetch_bytes=prefetch_bytes,
+        gemv_amx_tiles=bool(gemv_tiles),
         torch_flash_attention=torch_flash,
     )
 

@@ -7,7 +7,9 @@ found from such a trace that, under a streaming client on the same 2 cores, ever
 chat ran one 16-row vision piece whose wall time was twice its CPU time. Off by default (a line
 per step is ~40 per second).
 
-Fields (seconds unless named otherwise): ``at`` wall clock, ``step_s`` measured,
+Fields (seconds unless named otherwise): ``at`` wall clock, ``step_s`` measured, ``cpu_s`` the
+step thread's CPU time (well under ``step_s``: the thread slept -- on the GIL, on a core taken by
+another process, at a barrier its OpenMP workers reached late -- rather than computed),
 ``predicted_s`` and ``target_s`` (the step's time limit: the ITL target beside chat, else the
 step bound; None under a plain token budget) from the budget, ``decodes`` / ``prefill_tokens``,
 ``held_decodes`` (batch decodes held out of an encoder-only step), ``encoder_grant`` (units
@@ -45,14 +47,15 @@ class StepTrace:
         self.flush_every = flush_every
         self._pending = 0
 
-    def record(self, sched, result, step_s: float) -> None:
+    def record(self, sched, result, step_s: float, cpu_s: float | None = None) -> None:
         """One step: ``sched`` the scheduler's output, ``result`` the runner's (None when the
-        step ran nothing)."""
+        step ran nothing), ``cpu_s`` the step thread's own CPU time."""
         if self._file is None:
             return
         line = {
             "at": round(time.time(), 4),
             "step_s": step_s,
+            "cpu_s": cpu_s,
             "predicted_s": sched.predicted_s,
             "target_s": sched.target_s,
             "decodes": sched.num_decode_tokens,

@@ -38,7 +38,12 @@ log = logging.getLogger("engine.kernels")
 
 _DIR = Path(__file__).parent
 _SOURCES = (_DIR / "cpu_decode.cpp", _DIR / "cpu_attention.cpp")
-_HEADERS = (_DIR / "isa.h", _DIR / "chunk_attention.h", *sorted((_DIR / "isa").glob("*.h")))
+_HEADERS = (
+    _DIR / "isa.h",
+    _DIR / "chunk_attention.h",
+    _DIR / "amx_gemv.h",
+    *sorted((_DIR / "isa").glob("*.h")),
+)
 _FLAGS = ["-O3", "-fopenmp"]
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
 # variant -> the instruction-set flags that select its traits header (isa.h)

@@ -23,6 +23,9 @@
 
 #include "isa.h"
 #include "chunk_attention.h"
+#ifdef VS_BF16_DOT
+#include "amx_gemv.h"
+#endif
 
 #include <sys/mman.h>
 
@@ -810,6 +813,41 @@ void matvec(int M, const bf16* x, const at::Tensor& w, int64_t N, Epilogue epilo
   });
 }
 
+// A bf16 matrix packed in AMX tiles (amx_gemv.h): the native build's GEMV on AMX CPUs
+struct TiledWeights {
+  at::Tensor data;  // [N / 16, K / 32, 16, 32]
+  int64_t N = 0, K = 0;
+  bool defined() const { return data.defined(); }
+};
+
+#ifdef VS_BF16_DOT
+TiledWeights tile_weights(const at::Tensor& w) {
+  TiledWeights out;
+  if (w.scalar_type() != at::kBFloat16 || !amx::tileable(w.size(0), w.size(1))) return out;
+  const at::Tensor src = w.contiguous();
+  out.N = src.size(0), out.K = src.size(1);
+  out.data = at::empty({out.N / amx::kTileRows, out.K / amx::kTileK, amx::kTileRows, amx::kTileK},
+                       src.options());
+  amx::pack_weights(src.data_ptr<bf16>(), out.N, out.K, out.data.data_ptr<bf16>());
+  out.data = copy_to_huge_pages({out.data})[0];
+  return out;
+}
+
+// As matvec, on AMX tiles: tasks are whole 16-row tiles
+template <typename Epilogue>
+void matvec_tiles(int M, const bf16* x, const TiledWeights& w, Epilogue epilogue) {
+  const std::vector<bf16> b = amx::pack_activations(M, x, w.K);
+  const bf16* wp = w.data.data_ptr<bf16>();
+  at::parallel_for(0, w.N / amx::kTileRows, 1, [&](int64_t t0, int64_t t1) {
+    const int64_t n0 = t0 * amx::kTileRows, n1 = t1 * amx::kTileRows;
+    thread_local std::vector<float> acc;
+    acc.resize(static_cast<size_t>(M) * (n1 - n0));
+    amx::dot_rows(M, b.data(), wp, w.K, n0, n1, acc.data(), n1 - n0);
+    epilogue(n0, n1, acc.data());
+  });
+}
+#endif
+
 // out = weight * bf16(x * rsqrt(mean(x^2) + eps)), both products rounded as eager bf16 does
 void rms_norm(const bf16* x, const bf16* weight, bf16* out, int64_t H, float eps) {
   vf ss = vs::zero();
@@ -1170,6 +1208,7 @@ struct LayerWeights {
   at::Tensor qkv_p, o_p, gate_up_p, down_p;  // oneDNN-packed copies, or undefined
   at::Tensor qkv_s, o_s, gate_up_s, down_s;  // int8 weights: per-output-channel scales
   Panels qkv_n, o_n, gate_n, up_n, down_n;    // the GEMV's panels (int8; bf16 emulated)
+  TiledWeights qkv_t, o_t, gate_up_t, down_t;  // AMX tiles (set_amx_gemv), or undefined
 };
 
 // a decoder matrix: bf16, or int8 with fp32 scales [N]
@@ -1265,6 +1304,29 @@ class FusedDecoder {
   }
   int64_t weight_prefetch() const { return weight_prefetch_; }
 
+  // The row-major GEMV on AMX tiles (amx_gemv.h) instead of the dot product: asked for by the
+  // platform plan on AMX CPUs. Returns whether it is on (never on a CPU or OS without AMX, nor
+  // in builds without the bf16 dot product).
+  // The tiles are a second copy of the bf16 decoder weights (the row-major ones stay: the
+  // eager path reads them), made on the first enable.
+  bool set_amx_gemv(bool enable) {
+#ifdef VS_BF16_DOT
+    amx_gemv_ = enable && !int8_ && amx::amx_usable();
+    if (amx_gemv_ && !lm_head_t_.defined() && !tiled_) {
+      for (auto& L : layers_) {
+        L.qkv_t = tile_weights(L.qkv_w), L.o_t = tile_weights(L.o_w);
+        L.gate_up_t = tile_weights(L.gate_up_w), L.down_t = tile_weights(L.down_w);
+      }
+      lm_head_t_ = tile_weights(lm_head_);
+      tiled_ = true;
+    }
+#else
+    amx_gemv_ = false;
+#endif
+    return amx_gemv_;
+  }
+  bool amx_gemv() const { return amx_gemv_; }
+
   // Most rows one forward takes: the row-major dot-product kernel holds at most kMaxGemvRows;
   // panels (emulated and AVX2 builds, int8) and oneDNN's packed GEMM take any number
   int64_t max_rows() const { return packed_ || panels_ ? kAnyRows : kMaxGemvRows; }
@@ -1359,7 +1421,7 @@ class FusedDecoder {
       const LayerWeights& L = layers_[li];
       norm_rows(L.ln1.data_ptr<bf16>());
       const bf16* bias = L.qkv_b.data_ptr<bf16>();
-      linear(M, h_t, L.qkv_w, L.qkv_p, L.qkv_n, qkv_size_, [&](int64_t n0, int64_t n1, const float* acc) {
+      linear(M, h_t, L.qkv_w, L.qkv_p, L.qkv_n, L.qkv_t, qkv_size_, [&](int64_t n0, int64_t n1, const float* acc) {
         for (int m = 0; m < M; ++m)
           for (int64_t n = n0; n < n1; n += 16) {
             const int64_t k = n1 - n;
@@ -1384,7 +1446,7 @@ class FusedDecoder {
                                  max_blocks, block_size, scale);
         }
       }
-      linear(M, attn_t, L.o_w, L.o_p, L.o_n, H, add_to_residual);
+      linear(M, attn_t, L.o_w, L.o_p, L.o_n, L.o_t, H, add_to_residual);
       norm_rows(L.ln2.data_ptr<bf16>());
       if (use_panels(M, L.gate_n)) {
         const PanelInput hin = panel_input(M, h, L.gate_n);
@@ -1397,6 +1459,21 @@ class FusedDecoder {
           panel_rows(hin, L.up_n, p0, p1, u.data(), n);
           for (int m = 0; m < M; ++m) silu_mul_row(&g[m * n], &u[m * n], act + m * I + n0, n);
         });
+#ifdef VS_BF16_DOT
+      } else if (use_tiles(M, L.gate_up_t) && I % amx::kTileRows == 0) {
+        // as below, 16-row tiles of gate and of up per task
+        const std::vector<bf16> b = amx::pack_activations(M, h, H);
+        const bf16* gu = L.gate_up_t.data.data_ptr<bf16>();
+        at::parallel_for(0, I / amx::kTileRows, 1, [&](int64_t t0, int64_t t1) {
+          const int64_t n0 = t0 * amx::kTileRows, n1 = t1 * amx::kTileRows, n = n1 - n0;
+          thread_local std::vector<float> g, u;
+          g.resize(static_cast<size_t>(M) * n);
+          u.resize(static_cast<size_t>(M) * n);
+          amx::dot_rows(M, b.data(), gu, H, n0, n1, g.data(), n);
+          amx::dot_rows(M, b.data(), gu, H, I + n0, I + n1, u.data(), n);
+          for (int m = 0; m < M; ++m) silu_mul_row(&g[m * n], &u[m * n], act + m * I + n0, n);
+        });
+#endif
       } else if (M <= gemv_max_rows_ || !packed_) {
         // gate rows [0, I) and up rows [I, 2I) of the same range in one task, so the
         // activation is applied as soon as both halves are there
@@ -1423,7 +1500,7 @@ class FusedDecoder {
           }
         });
       }
-      linear(M, act_t, L.down_w, L.down_p, L.down_n, H, add_to_residual);
+      linear(M, act_t, L.down_w, L.down_p, L.down_n, L.down_t, H, add_to_residual);
     }
 
     evict_contexts();
@@ -1442,7 +1519,7 @@ class FusedDecoder {
     at::Tensor logits = at::empty({R, V}, embeds.options().dtype(at::kFloat));
     if (R == 0) return logits;
     float* out = logits.data_ptr<float>();
-    linear(R, head_in, lm_head_, lm_head_p_, lm_head_n_, V, [&](int64_t n0, int64_t n1, const float* acc) {
+    linear(R, head_in, lm_head_, lm_head_p_, lm_head_n_, lm_head_t_, V, [&](int64_t n0, int64_t n1, const float* acc) {
       for (int m = 0; m < R; ++m)
         for (int64_t n = n0; n < n1; n += 16) {
           const int64_t k = n1 - n;
@@ -1513,17 +1590,37 @@ class FusedDecoder {
     return panels.defined() && (panels.int8 || M >= kPanelRows);
   }
 
+  // bf16 matrices run on AMX tiles where set_amx_gemv built them: the row-major GEMV's rows
+  // (gemv_max_rows, all of them without oneDNN's packing), up to the tiles' 16
+  bool use_tiles(int M, const TiledWeights& tiles) const {
+#ifdef VS_BF16_DOT
+    return amx_gemv_ && tiles.defined() && M <= amx::kMaxRows && (M <= gemv_max_rows_ || !packed_);
+#else
+    (void)M, (void)tiles;
+    return false;
+#endif
+  }
+
   // y = x[:, :K] @ w.T, handed to ``epilogue(n0, n1, acc)`` ([M, n1 - n0] fp32) per column
   // range: the dot-product kernel for a few rows, oneDNN's packed GEMM past that
   template <typename Epilogue>
   void linear(int M, const at::Tensor& x, const at::Tensor& w, const at::Tensor& packed,
-              const Panels& panels, int64_t N, Epilogue epilogue) const {
+              const Panels& panels, const TiledWeights& tiles, int64_t N,
+              Epilogue epilogue) const {
     const int64_t K = w.size(1);
     TORCH_CHECK(x.size(1) == K && x.is_contiguous(), "linear input shape");
     if (use_panels(M, panels)) {
       matvec_panels(M, x.data_ptr<bf16>(), panels, epilogue);
       return;
     }
+#ifdef VS_BF16_DOT
+    if (use_tiles(M, tiles)) {
+      matvec_tiles(M, x.data_ptr<bf16>(), tiles, epilogue);
+      return;
+    }
+#else
+    (void)tiles;
+#endif
     TORCH_CHECK(w.scalar_type() == at::kBFloat16, "int8 weights without their panels");
     if (M <= gemv_max_rows_ || !packed.defined()) {
       matvec(M, x.data_ptr<bf16>(), w, N, epilogue, weight_prefetch_);
@@ -1573,6 +1670,8 @@ class FusedDecoder {
   at::Tensor final_norm_, lm_head_, lm_head_p_, lm_head_s_;
   Panels lm_head_n_;
   int64_t gemv_max_rows_;
+  bool amx_gemv_ = false, tiled_ = false;
+  TiledWeights lm_head_t_;
   int64_t weight_prefetch_ = 0;
   bool packed_ = false;
   bool int8_ = false;  // int8 decoder matrices and lm_head (panels only)
@@ -1646,6 +1745,43 @@ at::Tensor small_matmul(const at::Tensor& x, const at::Tensor& w) {
       for (int64_t n = n0; n < n1; ++n) yp[m * N + n] = bf16(acc[m * (n1 - n0) + n - n0]);
   });
   return y;
+}
+
+// w [N, K] bf16 as AMX tiles [N / 16, K / 32, 16, 32] (N a multiple of 16, K of 32), and
+// y = x @ w.T for 1..16 rows from such tiles: the AMX GEMV alone, for tests and benchmarks
+at::Tensor tile_matrix(const at::Tensor& w) {
+#ifdef VS_BF16_DOT
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "w: bf16 [N, K]");
+  TORCH_CHECK(amx::tileable(w.size(0), w.size(1)), "N must be a multiple of 16 and K of 32");
+  return tile_weights(w).data;
+#else
+  TORCH_CHECK(false, "AMX tiles are the native-bf16 build's");
+  return w;
+#endif
+}
+
+at::Tensor tiled_matmul(const at::Tensor& x, const at::Tensor& tiles) {
+#ifdef VS_BF16_DOT
+  TORCH_CHECK(amx::amx_usable(), "this CPU or OS runs no AMX");
+  TORCH_CHECK(tiles.dim() == 4 && tiles.size(2) == amx::kTileRows && tiles.size(3) == amx::kTileK,
+              "tiles: from tile_matrix");
+  const at::Tensor xc = x.contiguous();
+  const int M = static_cast<int>(xc.size(0));
+  TORCH_CHECK(M >= 1 && M <= amx::kMaxRows, "1..16 rows");
+  TiledWeights w{tiles.contiguous(), tiles.size(0) * amx::kTileRows, tiles.size(1) * amx::kTileK};
+  TORCH_CHECK(xc.dim() == 2 && xc.size(1) == w.K && xc.scalar_type() == at::kBFloat16, "x shape");
+  at::Tensor y = at::empty({M, w.N}, xc.options());
+  bf16* yp = y.data_ptr<bf16>();
+  const int64_t N = w.N;
+  matvec_tiles(M, xc.data_ptr<bf16>(), w, [&](int64_t n0, int64_t n1, const float* acc) {
+    for (int m = 0; m < M; ++m)
+      for (int64_t n = n0; n < n1; ++n) yp[m * N + n] = bf16(acc[m * (n1 - n0) + n - n0]);
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "AMX tiles are the native-bf16 build's");
+  return x;
+#endif
 }
 
 // y = x @ w.T through the decode GEMV's panels (emulated builds; packs w on every call):
@@ -1783,6 +1919,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("max_rows", &FusedDecoder::max_rows)
       .def("set_weight_prefetch", &FusedDecoder::set_weight_prefetch, pybind11::arg("bytes"))
+      .def("set_amx_gemv", &FusedDecoder::set_amx_gemv, pybind11::arg("enable"))
+      .def_property_readonly("amx_gemv", &FusedDecoder::amx_gemv)
       .def("weight_prefetch", &FusedDecoder::weight_prefetch)
       .def("kept_contexts", &FusedDecoder::kept_contexts)
       .def("forget_context", &FusedDecoder::forget_context);
@@ -1791,6 +1929,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("scales") = pybind11::none())
       .def("forward", &PanelGemv::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("small_matmul", &small_matmul);
+  m.def("tile_matrix", &tile_matrix);
+  m.def("tiled_matmul", &tiled_matmul);
+  // whether this build and machine can run the AMX GEMV (the OS granted the tile state)
+#ifdef VS_BF16_DOT
+  m.def("amx_usable", &amx::amx_usable);
+#else
+  m.def("amx_usable", [] { return false; });
+#endif
   m.def("panel_matmul", &panel_matmul, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("decode_attention", &decode_attention,
         pybind11::call_guard<pybind11::gil_scoped_release>());

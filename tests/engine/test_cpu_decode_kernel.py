@@ -41,6 +41,49 @@ def test_small_matmul_matches_fp32(rows: int, k: int) -> None:
     torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-3 * k**0.5)
 
 
+def _amx() -> bool:
+    return bool(getattr(kernels, "amx_usable", lambda: False)())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 13, 16])
+@pytest.mark.parametrize(("n", "k"), [(16, 32), (80, 96), (1280, 768), (48, 2048)])
+def test_tiled_matmul_matches_fp32(rows: int, n: int, k: int) -> None:
+    """The GEMV on AMX tiles (engine/kernels/amx_gemv.h): one to four live output tiles, one
+    k block and many, the bench decoder's shapes."""
+    if not _amx():
+        with pytest.raises(RuntimeError, match=r"AMX|native-bf16"):
+            kernels.tiled_matmul(
+                torch.ones(1, 32).bfloat16(), kernels.tile_matrix(torch.ones(16, 32).bfloat16())
+            )
+        return
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    tiles = kernels.tile_matrix(w)
+    assert tiles.shape == (n // 16, k // 32, 16, 32)
+    assert torch.equal(tiles[1 % (n // 16), 0, 3], w[16 * (1 % (n // 16)) + 3, :32])
+    want = x.float() @ w.float().T
+    got = kernels.tiled_matmul(x, tiles).float()
+    torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-3 * k**0.5)
+
+
+def test_tiled_matmul_rejects_what_tiles_cannot_hold() -> None:
+    if not kernels.bf16_dot:
+        pytest.skip("AMX tiles are the native-bf16 build's")
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kernels.tile_matrix(torch.ones(24, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kernels.tile_matrix(torch.ones(32, 48).bfloat16())
+    with pytest.raises(RuntimeError, match="bf16"):
+        kernels.tile_matrix(torch.ones(32, 64))
+    if _amx():
+        tiles = kernels.tile_matrix(torch.ones(32, 64).bfloat16())
+        with pytest.raises(RuntimeError, match=r"1\.\.16 rows"):
+            kernels.tiled_matmul(torch.ones(17, 64).bfloat16(), tiles)
+        with pytest.raises(RuntimeError, match="x shape"):
+            kernels.tiled_matmul(torch.ones(2, 32).bfloat16(), tiles)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 5, 6, 7, 8, 9, 13, 16])
 @pytest.mark.parametrize(("n", "k"), [(32, 64), (45, 130), (97, 300)])
 def test_panel_matmul_matches_fp32(rows: int, n: int, k: int) -> None:
@@ -345,6 +388,40 @@ def test_the_native_weight_prefetch_changes_no_number(tiny_checkpoint) -> None:
     runner.weight_prefetch_bytes = 2048
     other = runner._build_fused_decoder()
     assert (other.weight_prefetch(), decoder.weight_prefetch()) == (2048, 4096)
+
+
+def test_the_amx_gemv_agrees_with_the_dot_product(tiny_checkpoint) -> None:
+    """Where the plan puts the GEMV on AMX tiles, the decoder's logits are those of the
+    dot-product GEMV up to summation order, for decode and prompt steps of 1..16 rows; with it
+    off the decoder computes exactly what it did before."""
+    from engine.platform import plan_platform
+
+    llm = LLM(model=str(tiny_checkpoint), dtype="bfloat16", block_size=4, max_num_seqs=16)
+    runner = llm.engine.runner
+    decoder = runner.fused_decoder
+    assert runner.gemv_amx_tiles == llm.engine.platform.gemv_amx_tiles
+    if not _amx():
+        assert not decoder.amx_gemv and not decoder.set_amx_gemv(True)
+        pytest.skip("no AMX here: the plan keeps the dot product")
+    assert llm.engine.platform.gemv_amx_tiles and decoder.amx_gemv
+    assert (
+        "gemv=amx-tiles"
+        in plan_platform(torch.device("cpu"), torch.bfloat16, quantization=None).describe()
+    )
+    recorder = _RecordingDecoder(decoder)
+    runner.fused_decoder = recorder
+    convs = [text_conv("hello " * (i + 3)) for i in range(16)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.chat(convs, params)
+    llm.chat(convs[:5], params)
+    rows = {args[0].shape[0] for args, _, _ in recorder.calls}
+    assert {1, 5, 16} & rows, rows
+    decoder.set_amx_gemv(False)
+    for args, kwargs, tiled in recorder.calls:
+        dot = decoder.forward(*args, **kwargs)
+        torch.testing.assert_close(tiled, dot, rtol=0.05, atol=0.05 * dot.abs().max().item())
+        assert (tiled.argmax(-1) == dot.argmax(-1)).float().mean() >= 0.9
+    assert decoder.set_amx_gemv(True) and decoder.amx_gemv
 
 
 @pytest.mark.parametrize("rows", [12, 48, 300])

@@ -119,6 +119,14 @@ def test_the_platform_plan_decides_together(monkeypatch) -> None:
     assert amx.fused_prompt_rows == 256 and amx.use_cpu_kernels
     assert amx.encoder_rows_per_item == 512
     assert not _plan(monkeypatch, True, amx=True, dtype=torch.float32).torch_flash_attention
+    # ... and the decode GEMV runs on AMX tiles, bf16 weights only (int8 keeps its panels)
+    assert amx.gemv_amx_tiles and "gemv=amx-tiles" in amx.describe()
+    assert not fast.gemv_amx_tiles and "gemv=dot" in fast.describe()
+    int8_amx = _plan(monkeypatch, True, variant="native-bf16", amx=True, quantization="int8")
+    assert not int8_amx.gemv_amx_tiles
+    assert not _plan(
+        monkeypatch, True, variant="native-bf16", amx=True, cpu_kernels=False
+    ).gemv_amx_tiles
     # the native GEMV prefetches weights and takes 16 rows on Intel, 12 on Zen 5, neither on
     # Zen 4 (family 25) nor on a CPU nobody measured
     for vendor, family, rows, ahead in (

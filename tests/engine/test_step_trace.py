@@ -45,6 +45,9 @@ def test_every_step_is_traced_with_its_encoder_work(tiny_qwen2_vl, tmp_path):
     encoding = [r for r in lines if r["encoder_items"]]
     assert all(r["encoder_units"] > 0 and r["encoder_s"] > 0 for r in encoding)
     assert all(r["step_s"] > 0 and r["at"] > 0 for r in lines)
+    # the step thread's own CPU time: some, and never more than the step's wall time allows
+    # (its OpenMP workers' time is theirs)
+    assert all(0 < r["cpu_s"] <= r["step_s"] * 1.05 + 1e-3 for r in lines)
     assert {"predicted_s", "target_s", "encoder_grant", "item_overhead", "forward_s"} <= set(
         lines[0]
     )
