@@ -1,15 +1,22 @@
 // The decode GEMV on AMX tiles (Sapphire Rapids and later Xeons): y[m, n] = dot(x[m, :], w[n, :])
-// for 1..16 activation rows against row-major bf16 weights, as the native build's dot-product
-// GEMV computes it, read from the same weights.
+// for 1..16 activation rows against bf16 weights, what the native build's dot-product GEMV
+// computes, up to summation order.
 //
 // Why: on a 2-core AMX Xeon the AVX512-BF16 dot product is compute-bound from a few rows on --
 // a bench decode step took 12.0 ms at batch 1 (78 % of the read bandwidth) and 21.1 at batch 8
 // -- so every camera prompt row beside 4 chat decodes made the chat step longer. One tile
 // product (TDPBF16PS) does 16 x 16 x 32 multiply-adds; with the weights as the A operand (16
-// weight rows x 32 k, loaded straight from the row-major matrix: no repacking, the weights stay
-// shared with every other path) and the activations as B (32 k x M rows in the VNNI pair
-// layout, packed once per call: M x K bf16), a matrix costs what reading it costs at any row
-// count up to 16.
+// weight rows x 32 k) and the activations as B (32 k x M rows in the VNNI pair layout, packed
+// once per call: M x K bf16), a matrix costs about what reading it costs at any row count up
+// to 16. The weights are a second copy, packed tile by tile (pack_weights), so that each tile
+// load reads 1 KiB in one piece: loaded from the row-major matrix (16 rows' lines in up to 6
+// pages per load) a bench decoder pass ran 24-30 ms at 8 rows in some minutes and 12-15 in
+// others on a 4 KiB-page VM.
+//
+// bf16 weights only: int8 ones widened to bf16 tile by tile (exact; half the bytes) ran slower
+// than the int8 panels' int16 dot product at 1-8 rows (12.0 / 13.7 / 17.2 ms a bench decode
+// step at batch 1 / 4 / 8 against 10.1 / 10.3 / 15.6, session 22): the widening costs more than
+// the bytes it saves.
 //
 // Only the native-bf16 build includes this; the functions carry their own target attribute, so
 // nothing else in the build may use AMX instructions and a CPU without AMX never runs them
@@ -35,6 +42,8 @@ constexpr int kTileRows = 16;  // weight rows per tile (A rows, C rows)
 constexpr int kTileK = 32;     // k per tile product: 16 pairs of bf16
 constexpr int kGroupTiles = 4;  // C tiles kept live: 64 weight rows per pass over k
 constexpr int kMaxRows = 16;    // activation rows (B and C columns)
+// bytes ahead each of the 4 tile streams asks for (none: the bench decoder's GEMVs alone took
+// 14-15 ms at 1-4 rows; 2-4 KiB: 11-13, within noise of each other; 2-core AMX Xeon)
 constexpr int64_t kAhead = 4096;
 
 // Linux hands out the 8 KiB tile state only to processes that ask (arch_prctl); oneDNN asks
@@ -73,10 +82,7 @@ inline std::vector<bf16> pack_activations(int M, const bf16* x, int64_t K) {
   return out;
 }
 
-// The weights as tiles: [N / 16][K / 32][16 rows][32 k], each A tile 1 KiB in one piece. Read
-// straight from the row-major matrix, a tile load touches 16 rows' lines in up to 6 pages; on a
-// 2-core AMX Xeon VM (4 KiB pages) that ran 24-30 ms a bench decoder pass at 8 rows one
-// minute and 12-15 the next, against a flat stream here.
+// The weights as tiles: [N / 16][K / 32][16 rows][32 k], each A tile 1 KiB in one piece
 inline bool tileable(int64_t N, int64_t K) { return N % kTileRows == 0 && K % kTileK == 0; }
 
 inline void pack_weights(const bf16* w, int64_t N, int64_t K, bf16* out) {
