@@ -86,9 +86,11 @@ def main() -> None:
         runner.gemv_max_rows = rows
         decoders[rows] = runner._build_fused_decoder()
     runner.gemv_amx_tiles = False  # each variant sets its own kind
-    variants = [(rows, d, "dot") for rows in row_limits for d in args.distances] * (
-        "dot" in kinds
-    ) + [(rows, plan_distance, "amx-tiles") for rows in row_limits] * ("amx-tiles" in kinds)
+    variants: list[tuple[int, int, str]] = []
+    if "dot" in kinds:
+        variants += [(rows, d, "dot") for rows in row_limits for d in args.distances]
+    if "amx-tiles" in kinds:  # the tiles' own prefetch: no distance of this script's
+        variants += [(rows, plan_distance, "amx-tiles") for rows in row_limits]
     median_decode_step(engine, "warm", 1, 4)
     results: dict[int, dict[str, list[float]]] = {
         b: {variant_name(*v): [] for v in variants} for b in args.batches

@@ -813,7 +813,7 @@ void matvec(int M, const bf16* x, const at::Tensor& w, int64_t N, Epilogue epilo
   });
 }
 
-// A bf16 matrix packed in AMX tiles (amx_gemv.h): the native build's GEMV on AMX CPUs
+// A bf16 matrix packed as AMX tiles (amx_gemv.h): the native build's GEMV on AMX CPUs
 struct TiledWeights {
   at::Tensor data;  // [N / 16, K / 32, 16, 32]
   int64_t N = 0, K = 0;
@@ -1304,15 +1304,15 @@ class FusedDecoder {
   }
   int64_t weight_prefetch() const { return weight_prefetch_; }
 
-  // The row-major GEMV on AMX tiles (amx_gemv.h) instead of the dot product: asked for by the
-  // platform plan on AMX CPUs. Returns whether it is on (never on a CPU or OS without AMX, nor
-  // in builds without the bf16 dot product).
-  // The tiles are a second copy of the bf16 decoder weights (the row-major ones stay: the
-  // eager path reads them), made on the first enable.
+  // The GEMV's rows on AMX tiles (amx_gemv.h) instead of the dot product: the platform plan
+  // asks for it on AMX CPUs. Returns whether it is on: never on a CPU or OS without AMX, for
+  // int8 weights (their panels were faster) or in builds without the bf16 dot product. The
+  // tiles are a second copy of the bf16 decoder weights, made on the first enable (the
+  // row-major ones stay: the eager path reads them).
   bool set_amx_gemv(bool enable) {
 #ifdef VS_BF16_DOT
     amx_gemv_ = enable && !int8_ && amx::amx_usable();
-    if (amx_gemv_ && !lm_head_t_.defined() && !tiled_) {
+    if (amx_gemv_ && !tiled_) {
       for (auto& L : layers_) {
         L.qkv_t = tile_weights(L.qkv_w), L.o_t = tile_weights(L.o_w);
         L.gate_up_t = tile_weights(L.gate_up_w), L.down_t = tile_weights(L.down_w);

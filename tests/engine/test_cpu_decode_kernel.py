@@ -392,8 +392,8 @@ def test_the_native_weight_prefetch_changes_no_number(tiny_checkpoint) -> None:
 
 def test_the_amx_gemv_agrees_with_the_dot_product(tiny_checkpoint) -> None:
     """Where the plan puts the GEMV on AMX tiles, the decoder's logits are those of the
-    dot-product GEMV up to summation order, for decode and prompt steps of 1..16 rows; with it
-    off the decoder computes exactly what it did before."""
+    dot-product GEMV up to summation order (every call of a run replayed with the tiles off),
+    for steps of 1 to 16 rows; elsewhere the decoder refuses the tiles."""
     from engine.platform import plan_platform
 
     llm = LLM(model=str(tiny_checkpoint), dtype="bfloat16", block_size=4, max_num_seqs=16)
