@@ -1731,6 +1731,14 @@ class FusedDecoder {
   }
 };
 
+// The test entry points' epilogue: each [M, n1 - n0] block of sums into y [M, N], bf16
+auto bf16_rows(bf16* y, int M, int64_t N) {
+  return [=](int64_t n0, int64_t n1, const float* acc) {
+    for (int m = 0; m < M; ++m)
+      for (int64_t n = n0; n < n1; ++n) y[m * N + n] = bf16(acc[m * (n1 - n0) + n - n0]);
+  };
+}
+
 // y = x @ w.T in bf16 for 1..16 rows: exposed alone for tests and the GEMV benchmark
 at::Tensor small_matmul(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "bf16 only");
@@ -1740,10 +1748,7 @@ at::Tensor small_matmul(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(xc.size(1) == wc.size(1), "shape mismatch");
   at::Tensor y = at::empty({M, N}, xc.options());
   bf16* yp = y.data_ptr<bf16>();
-  matvec(M, xc.data_ptr<bf16>(), wc, N, [&](int64_t n0, int64_t n1, const float* acc) {
-    for (int m = 0; m < M; ++m)
-      for (int64_t n = n0; n < n1; ++n) yp[m * N + n] = bf16(acc[m * (n1 - n0) + n - n0]);
-  });
+  matvec(M, xc.data_ptr<bf16>(), wc, N, bf16_rows(yp, M, N));
   return y;
 }
 
@@ -1773,10 +1778,7 @@ at::Tensor tiled_matmul(const at::Tensor& x, const at::Tensor& tiles) {
   at::Tensor y = at::empty({M, w.N}, xc.options());
   bf16* yp = y.data_ptr<bf16>();
   const int64_t N = w.N;
-  matvec_tiles(M, xc.data_ptr<bf16>(), w, [&](int64_t n0, int64_t n1, const float* acc) {
-    for (int m = 0; m < M; ++m)
-      for (int64_t n = n0; n < n1; ++n) yp[m * N + n] = bf16(acc[m * (n1 - n0) + n - n0]);
-  });
+  matvec_tiles(M, xc.data_ptr<bf16>(), w, bf16_rows(yp, M, N));
   return y;
 #else
   TORCH_CHECK(false, "AMX tiles are the native-bf16 build's");
@@ -1803,10 +1805,7 @@ at::Tensor panel_matmul(const at::Tensor& x, const at::Tensor& w) {
   pack_panels(wc, 0, N, reinterpret_cast<uint16_t*>(panels.data.data_ptr<bf16>()));
   at::Tensor y = at::empty({M, N}, xc.options());
   bf16* yp = y.data_ptr<bf16>();
-  matvec_panels(M, xc.data_ptr<bf16>(), panels, [&](int64_t n0, int64_t n1, const float* acc) {
-    for (int m = 0; m < M; ++m)
-      for (int64_t n = n0; n < n1; ++n) yp[m * N + n] = bf16(acc[m * (n1 - n0) + n - n0]);
-  });
+  matvec_panels(M, xc.data_ptr<bf16>(), panels, bf16_rows(yp, M, N));
   return y;
 #endif
 }
