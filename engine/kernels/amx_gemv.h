@@ -42,8 +42,9 @@ constexpr int kTileRows = 16;  // weight rows per tile (A rows, C rows)
 constexpr int kTileK = 32;     // k per tile product: 16 pairs of bf16
 constexpr int kGroupTiles = 4;  // C tiles kept live: 64 weight rows per pass over k
 constexpr int kMaxRows = 16;    // activation rows (B and C columns)
-// bytes ahead each of the 4 tile streams asks for (none: the bench decoder's GEMVs alone took
-// 14-15 ms at 1-4 rows; 2-4 KiB: 11-13, within noise of each other; 2-core AMX Xeon)
+// bytes ahead each of the 4 tile streams asks for (the bench decoder's GEMVs alone at 1 and 4
+// rows, 2-core AMX Xeon, two rounds each: none 14.0 / 14.5 ms; 2 KiB 10.8-14.6; 4 KiB
+// 12.7-14.2: ahead helps, 2 and 4 KiB within the machine's noise of each other)
 constexpr int64_t kAhead = 4096;
 
 // Linux hands out the 8 KiB tile state only to processes that ask (arch_prctl); oneDNN asks
