@@ -181,6 +181,9 @@ def main() -> None:
     ap.add_argument("--image-size", default="640x480")
     ap.add_argument("--warmup-s", type=float, default=2.0)
     ap.add_argument("--chat-alone-s", type=float, default=30.0)
+    ap.add_argument(
+        "--server-args", default="", help="extra server flags, e.g. '--step-trace steps.jsonl'"
+    )
     ap.add_argument("--out", default="interactive_first.json")
     args = ap.parse_args()
 

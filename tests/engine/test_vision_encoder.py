@@ -146,6 +146,33 @@ def test_a_cut_never_leaves_a_piece_of_a_few_rows(loaded, tiny_qwen2_vl):
     _assert_all_close(job.result(), whole.encode(pixels, grid))
 
 
+def test_attention_is_cut_by_heads_before_rows(loaded, tiny_qwen2_vl):
+    """A step with room for part of an attention item runs whole heads over all its rows
+    (the rows of one head reuse its keys and values; a few rows of every head stream all
+    of them), and cuts rows only within one head."""
+    tower, model = _tower(loaded, tiny_qwen2_vl, max_rows=None)
+    pixels, grid = _inputs(model, ONE_IMAGE)
+    job = tower.job(pixels, grid)
+    _advance_to_attention(job)
+    item = job.items[job.cursor]
+    heads = item.heads
+    assert heads == (0, tower.num_heads) == (0, 2)
+    rows = (item.start, item.end)
+    # room for one head and a bit: one head, all rows
+    assert job.advance(item.cost * 0.6) == pytest.approx(item.cost / 2)
+    nxt = job.items[job.cursor]
+    assert (nxt.kind, nxt.heads, (nxt.start, nxt.end)) == ("attn", (1, 2), rows)
+    # room for a third of that head: its first rows only, the rest of the head next
+    spent = job.advance(nxt.cost / 3)
+    assert 0 < spent <= nxt.cost / 3 * (1 + 1e-9)
+    rest = job.items[job.cursor]
+    assert rest.heads == (1, 2) and rest.start > rows[0] and rest.end == rows[1]
+    while not job.done():
+        job.advance(job.next_cost() / 2)
+    whole = VisionTower(model.visual, model.vision_config, model.architecture)
+    _assert_all_close(job.result(), whole.encode(pixels, grid))
+
+
 def _advance_to_attention(job) -> None:
     while job.items[job.cursor].kind != "attn":
         job.advance(job.next_cost())
@@ -258,8 +285,9 @@ def test_bf16_is_as_close_to_fp32_as_the_transformers_tower(checkpoint_factory, 
     assert ours_err <= 2 * theirs_err + 1e-2
 
 
+@pytest.mark.parametrize("cut", [False, True], ids=["whole", "cut"])
 @pytest.mark.parametrize("max_rows", [None, 37])
-def test_bf16_matmul_attention_matches_the_fused_kernel(tiny_checkpoint, max_rows):
+def test_bf16_matmul_attention_matches_the_fused_kernel(tiny_checkpoint, max_rows, cut):
     """The CPU bf16 path (two bmm per 64 query rows over head-major k/v) against SDPA, on an
     image of 240 patches so the row loop and the per-block k/v copy both come into play."""
     model, hf_config, arch = _load_with_bf16_tower(tiny_checkpoint)
@@ -270,14 +298,16 @@ def test_bf16_matmul_attention_matches_the_fused_kernel(tiny_checkpoint, max_row
         job = tower.job(pixels, grid)
         assert job._matmul_attention  # bf16 on CPU takes the matmul path by default
         job._matmul_attention = matmuls
-        return _encode_to_end(job)
+        return _encode_to_end(job, cut)
 
     _assert_matches_sdpa(run(True), run(False))
 
 
-def _encode_to_end(job) -> torch.Tensor:
+def _encode_to_end(job, cut: bool = False) -> torch.Tensor:
+    """The job run to completion: whole items, or (``cut``) each step a third of the next
+    item, which cuts attention by heads and then by rows (the paths slice heads)."""
     while not job.done():
-        job.advance(float("inf"))
+        job.advance(job.next_cost() / 3 if cut else float("inf"))
     return torch.cat(job.result()).float()
 
 
@@ -317,9 +347,12 @@ def test_engine_greedy_tokens_unchanged_by_our_tower(tiny_checkpoint):
     assert tokens["engine"] == truncate_at_eos(hf_greedy(tiny_checkpoint, conv, 16), eos)
 
 
+@pytest.mark.parametrize("cut", [False, True], ids=["whole", "cut"])
 @pytest.mark.parametrize("tower_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("max_rows", [None, 37])
-def test_native_flash_attention_matches_the_fused_kernel(tiny_checkpoint, max_rows, tower_dtype):
+def test_native_flash_attention_matches_the_fused_kernel(
+    tiny_checkpoint, max_rows, tower_dtype, cut
+):
     """engine/kernels' flash attention (packed k/v reused across work items and, for
     Qwen2.5-VL, one call per window) against SDPA on the same tower: bf16, and fp32 (a bf16
     model's tower where bf16 is emulated; the native build rounds it to bf16)."""
@@ -344,12 +377,13 @@ def test_native_flash_attention_matches_the_fused_kernel(tiny_checkpoint, max_ro
         job = tower.job(pixels, grid)
         assert job._native == native
         job._matmul_attention = native  # off: SDPA, the reference
-        return _encode_to_end(job)
+        return _encode_to_end(job, cut)
 
     _assert_matches_sdpa(run(True), run(False))
 
 
-def test_torch_flash_plan_takes_sdpa_over_the_kernels_and_the_matmuls(tiny_checkpoint):
+@pytest.mark.parametrize("cut", [False, True], ids=["whole", "cut"])
+def test_torch_flash_plan_takes_sdpa_over_the_kernels_and_the_matmuls(tiny_checkpoint, cut):
     """AMX CPUs (the platform plan's ``torch_flash_attention``): the tower attends through
     torch's flash kernel even where engine.kernels is built, and agrees with the native
     kernel's result."""
@@ -366,6 +400,6 @@ def test_torch_flash_plan_takes_sdpa_over_the_kernels_and_the_matmuls(tiny_check
         job = tower.job(pixels, grid)
         assert not job._native if torch_flash else job._native == (kernels is not None)
         assert job._matmul_attention != torch_flash
-        return _encode_to_end(job)
+        return _encode_to_end(job, cut)
 
     _assert_matches_sdpa(run(False), run(True))
