@@ -88,6 +88,7 @@ class LLMEngine:
             gemv_max_rows=self.platform.gemv_max_rows,
             weight_prefetch_bytes=self.platform.weight_prefetch_bytes,
             gemv_amx_tiles=self.platform.gemv_amx_tiles,
+            amx_attention=self.platform.amx_attention,
         )
         limits = args.step_limits()
         self.scheduler = Scheduler(

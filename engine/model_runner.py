@@ -77,6 +77,7 @@ class ModelRunner:
         gemv_max_rows: int = 4,
         weight_prefetch_bytes: int = 0,
         gemv_amx_tiles: bool = False,
+        amx_attention: bool = False,
     ) -> None:
         self.model = model
         # the platform plan's (engine/platform.py): rows of prompt steps in the fused kernel,
@@ -85,6 +86,7 @@ class ModelRunner:
         self.gemv_max_rows = gemv_max_rows
         self.weight_prefetch_bytes = weight_prefetch_bytes
         self.gemv_amx_tiles = gemv_amx_tiles
+        self.amx_attention = amx_attention  # prompt chunks' attention in the fused kernel too
         self.encoder_rows_per_item = encoder_rows_per_item
         # set by leave_a_core_to_the_front_end (the server's AsyncEngine); None: every thread
         self.encoder_threads_beside_chat: int | None = None
@@ -190,6 +192,8 @@ class ModelRunner:
             return None
         if self.gemv_amx_tiles and not decoder.set_amx_gemv(True):
             log.warning("AMX GEMV asked for but unavailable (OS or build): dot products")
+        if self.amx_attention and not decoder.set_amx_attention(True):
+            log.warning("AMX attention asked for but unavailable (OS or build): dot products")
         # older builds have no max_rows(): the row-major kernel's limit
         self._kernel_rows = int(getattr(decoder, "max_rows", lambda: self.UNPACKED_MAX_ROWS)())
         return decoder

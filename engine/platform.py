@@ -60,11 +60,12 @@ ENCODER_ROWS_AMX = 512
 # session 16; before it 2.7-3.3 at 16, 2.4-2.7 at 32, 3.0 at 64; eager 1.6 at 512).
 FUSED_PROMPT_ROWS_PACKED = 1024
 FUSED_PROMPT_ROWS_PANELS = 16
-# With AMX, long prompt chunks attend faster through torch's flash kernel in the eager
-# forward than through the fused kernel's own attention (torch_flash_attention below): a
+# With AMX, long prompt chunks attended faster through torch's flash kernel in the eager
+# forward than through the fused kernel's own attention (then AVX512-BF16 dot products): a
 # 1,024-token prompt in chunks, ms a token fused / eager (two runs, in turns, 2-core AMX
 # Xeon): 64 rows 0.57-0.59 / 0.63-0.76, 128 0.42-0.52 / 0.44-0.71, 256 0.41-0.54 / 0.35-0.63,
-# 512 0.49 / 0.37, 1,024 0.36 / 0.26
+# 512 0.49 / 0.37, 1,024 0.36 / 0.26. Since session 23 both attend on AMX tiles
+# (amx_attention below); the limit was not re-measured.
 FUSED_PROMPT_ROWS_AMX = 256
 
 # The native build's row-major GEMV: asking for each weight row 4 KiB ahead keeps memory busy
@@ -129,8 +130,12 @@ class PlatformPlan:
     # that GEMV on AMX tiles (engine/kernels/amx_gemv.h) rather than AVX512-BF16 dot products
     gemv_amx_tiles: bool = False
     # prompt chunks and the vision tower attend through torch's flash kernel, not
-    # engine.kernels': on AMX it computes bf16 in tiles (decodes stay on the paged kernel)
+    # engine.kernels': on AMX it computes bf16 in tiles (decodes stay on the paged kernel);
+    # only where engine.kernels' own attention has no AMX tiles (amx_attention)
     torch_flash_attention: bool = False
+    # engine.kernels' flash attention (prompt chunks, fused or eager, and the vision tower)
+    # with its products on AMX tiles (engine/kernels/amx_attention.h)
+    amx_attention: bool = False
 
     @property
     def emulated_bf16(self) -> bool:
@@ -151,8 +156,14 @@ class PlatformPlan:
             f"fused_prompt_rows={self.fused_prompt_rows} gemv_max_rows={self.gemv_max_rows} "
             f"weight_prefetch={self.weight_prefetch_bytes} "
             f"gemv={'amx-tiles' if self.gemv_amx_tiles else 'dot'} "
-            f"prefill_attention={'torch-flash' if self.torch_flash_attention else 'native'}"
+            f"prefill_attention={self.prefill_attention}"
         )
+
+    @property
+    def prefill_attention(self) -> str:
+        if self.amx_attention:
+            return "amx-tiles"
+        return "torch-flash" if self.torch_flash_attention else "native"
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -227,9 +238,14 @@ def plan_platform(
         linear_kind = "plain"
     else:
         linear_kind = "bf16-upcast" if emulated else "onednn-packed"
-    # torch's CPU flash kernel runs bf16 on AMX tiles (brgemm): a 640x480 frame's tower 2.5x
-    # faster than through our AVX512-BF16 kernel, long prompt chunks ~1.3x (2-core AMX Xeon)
-    torch_flash = on_cpu and dtype == torch.bfloat16 and cpu_has_amx()
+    # On AMX our flash kernel runs its products in tiles (amx_attention.h): on a 2-core AMX
+    # Xeon 4-5x its AVX512-BF16 dot products (128 prompt rows against 1,200 keys, bench heads:
+    # 0.68 against 3.3 ms a layer; torch's flash kernel 2.5 with a mask) and ~2.5x torch's
+    # flash kernel on the vision tower's rows (300 rows of 6 heads against 4,800 keys: 3.6 ms).
+    # Without our kernels there, torch's flash kernel, which runs bf16 on AMX tiles too: a
+    # 640x480 frame's tower 2.5x faster than through our AVX512-BF16 dot products.
+    amx_attention = bool(use_kernels) and variant == "native-bf16" and cpu_has_amx()
+    torch_flash = on_cpu and dtype == torch.bfloat16 and cpu_has_amx() and not amx_attention
     # bf16 row-major weights only: int8 matrices run their own panels
     gemv_rows, prefetch_bytes = (
         native_gemv_tuning(cpu_vendor(), cpu_family())
@@ -254,13 +270,14 @@ def plan_platform(
             else FUSED_PROMPT_ROWS_PANELS
             if linear_kind != "onednn-packed"
             else FUSED_PROMPT_ROWS_AMX
-            if torch_flash
+            if torch_flash or amx_attention
             else FUSED_PROMPT_ROWS_PACKED
         ),
         gemv_max_rows=gemv_rows,
         weight_prefetch_bytes=prefetch_bytes,
         gemv_amx_tiles=bool(gemv_tiles),
         torch_flash_attention=torch_flash,
+        amx_attention=amx_attention,
     )
 
 

@@ -42,6 +42,7 @@ _HEADERS = (
     _DIR / "isa.h",
     _DIR / "chunk_attention.h",
     _DIR / "amx_gemv.h",
+    _DIR / "amx_attention.h",
     *sorted((_DIR / "isa").glob("*.h")),
 )
 _FLAGS = ["-O3", "-fopenmp"]

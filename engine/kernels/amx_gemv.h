@@ -143,6 +143,9 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void dot_rows(int M, const b
                                                                   int64_t n0, int64_t n1,
                                                                   float* acc, int64_t ld_acc) {
   const TileConfig cfg(M);
+  // every byte of cfg stored before ldtilecfg reads it: GCC does not see that it reads all 64
+  // (amx_attention.h's config, built the same way, kept only its first 8 bytes and faulted)
+  asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
   alignas(64) float c[kGroupTiles * kTileRows * kMaxRows];
   for (int64_t n = n0; n < n1; n += kGroupTiles * kTileRows) {

@@ -20,11 +20,16 @@ struct PackedKeys {
 // Causal attention of n query rows (tokens m - n .. m - 1 of a sequence) to that sequence's
 // keys and values in the paged cache (caches [slots, Hk, D], token j at slots[j]). With
 // ``keep``, the packing of tokens [0, reuse) is taken from it (the caller vouches that their
-// slots and values are those it was packed from) and the rest is packed into it.
+// slots and values are those it was packed from) and the rest is packed into it. ``amx``: the
+// products on AMX tiles (amx_attention.h) where the build and the machine have them.
 void attend_cached_chunk(const at::BFloat16* q, int64_t q_stride, at::BFloat16* out,
                          int64_t out_stride, int64_t n, int64_t Hq, const at::BFloat16* kc,
                          const at::BFloat16* vc, int64_t Hk, int64_t D, const int64_t* slots,
-                         int64_t m, float scale, PackedKeys* keep = nullptr, int64_t reuse = 0);
+                         int64_t m, float scale, PackedKeys* keep = nullptr, int64_t reuse = 0,
+                         bool amx = false);
+
+// Whether this build and machine run the flash kernel on AMX tiles (the OS granted the state)
+bool amx_attention_usable();
 
 // Bytes one layer's PackedKeys holds for ``tokens`` tokens of Hk heads of size D
 int64_t packed_keys_bytes(int64_t tokens, int64_t Hk, int64_t D);

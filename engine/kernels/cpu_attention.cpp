@@ -14,6 +14,9 @@
 #include <ATen/Parallel.h>
 #include "isa.h"
 #include "chunk_attention.h"
+#ifdef VS_BF16_DOT
+#include "amx_attention.h"
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -145,6 +148,68 @@ __attribute__((noinline)) void pv_tile(float* o, const float* alpha, const Prob 
 inline void store_probs(uint16_t* p, vf e) { vs::store_bf16(p, e); }
 inline void store_probs(float* p, vf e) { vs::store(p, e); }
 
+// One query row's step of the online softmax over a 64-key tile: its raw scores ``sc``
+// (overwritten where masked) become probabilities in ``probs`` against the row's running max
+// (base 2) and sum; keys past ``limit`` are masked. Returns the factor the row's output so far
+// must be scaled by (1 when the max did not move).
+inline float softmax_tile_row(float* sc, int64_t j0, int64_t limit, float scale2, float& row_max,
+                              float* row_sum, Prob* probs) {
+  const vf vscale2 = vs::set1(scale2);
+  // a whole visible tile against a running max: its scores are exponentiated against that max
+  // as long as none exceeds it by more than 2^8 (fp32 and bf16 hold such probabilities and
+  // their sums); only a tile that does pays for its own max
+  if (j0 + kTile - 1 <= limit && row_max != -INFINITY) {
+    const vf top = vs::set1(row_max);
+    vf t[kSub];
+    bool over = false;
+    for (int u = 0; u < kSub; ++u) {
+      t[u] = vs::fmsub(vs::load(sc + 16 * u), vscale2, top);
+      over |= vs::any_gt(t[u], 8.f);
+    }
+    if (!over) {
+      vf sum = vs::load(row_sum);
+      for (int u = 0; u < kSub; ++u) {
+        const vf e = vs::exp2(t[u]);
+        sum = vs::add(sum, e);
+        store_probs(probs + 16 * u, e);
+      }
+      vs::store(row_sum, sum);
+      return 1.f;
+    }
+  }
+  // the tile's max of raw scores (scale > 0 keeps their order); only a tile that crosses the
+  // row's limit pays for masking
+  vf mx = vs::set1(-INFINITY);
+  if (j0 + kTile - 1 <= limit) {
+    for (int u = 0; u < kSub; ++u) mx = vs::max(mx, vs::load(sc + 16 * u));
+  } else {
+    for (int u = 0; u < kSub; ++u) {  // keys j0 + 16u + i <= limit stay
+      const vf x = vs::keep_first(vs::load(sc + 16 * u), limit - j0 - 16 * u + 1, -INFINITY);
+      vs::store(sc + 16 * u, x);
+      mx = vs::max(mx, x);
+    }
+  }
+  const float new_max = std::max(row_max, vs::reduce_max(mx) * scale2);
+  if (new_max == -INFINITY) {  // nothing visible to this row yet
+    std::memset(probs, 0, kTile * sizeof(Prob));
+    return 1.f;
+  }
+  // the running max rarely moves after the first tiles: no exp when it stays
+  float alpha = 1.f;
+  if (row_max == -INFINITY) alpha = 0.f;
+  else if (new_max != row_max) alpha = std::exp2(row_max - new_max);
+  row_max = new_max;
+  const vf top = vs::set1(new_max);
+  vf sum = vs::mul(vs::load(row_sum), vs::set1(alpha));
+  for (int u = 0; u < kSub; ++u) {
+    const vf e = vs::exp2(vs::fmsub(vs::load(sc + 16 * u), vscale2, top));
+    sum = vs::add(sum, e);
+    store_probs(probs + 16 * u, e);
+  }
+  vs::store(row_sum, sum);
+  return alpha;
+}
+
 // Query rows per register block for head size 16 * ND: R x ND output accumulators must stay
 // in registers. AVX-512: 4 rows for D <= 64, 2 beyond; AVX2 (a quarter of the logical
 // vectors): 2 rows for D <= 32, 1 beyond.
@@ -174,7 +239,6 @@ void attend(const Problem& P) {
   const int64_t row_blocks = (n + block - 1) / block;
   // softmax in base 2: exp(x * scale - max) = 2^(x * scale * log2(e) - max'), one FMA per score
   const float scale2 = P.scale * 1.4426950408889634f;
-  const vf vscale2 = vs::set1(scale2);
   at::parallel_for(0, Hq * row_blocks, 1, [&](int64_t t0, int64_t t1) {
     alignas(64) Prob probs[R][kTile];
     std::vector<float> o_mem(kBlock * D);
@@ -225,62 +289,9 @@ void attend(const Problem& P) {
             const int64_t row = r0 - b0 + r;
             // keys this row may see: all below m, with causal those <= its own position
             const int64_t limit = causal ? std::min(m - 1, offset + r0 + r) : m - 1;
-            // a whole visible tile against a running max: its scores are exponentiated against
-            // that max as long as none exceeds it by more than 2^8 (fp32 and bf16 hold such
-            // probabilities and their sums); only a tile that does pays for its own max
-            if (j0 + kTile - 1 <= limit && row_max[row] != -INFINITY) {
-              const vf top = vs::set1(row_max[row]);
-              vf t[kSub];
-              bool over = false;
-              for (int u = 0; u < kSub; ++u) {
-                t[u] = vs::fmsub(vs::load(sc[r] + 16 * u), vscale2, top);
-                over |= vs::any_gt(t[u], 8.f);
-              }
-              if (!over) {
-                vf sum = vs::load(row_sum[row]);
-                for (int u = 0; u < kSub; ++u) {
-                  const vf e = vs::exp2(t[u]);
-                  sum = vs::add(sum, e);
-                  store_probs(probs[r] + 16 * u, e);
-                }
-                vs::store(row_sum[row], sum);
-                alphas[r] = 1.f;
-                continue;
-              }
-            }
-            // the tile's max of raw scores (scale > 0 keeps their order); only a tile that
-            // crosses the row's limit pays for masking
-            vf mx = vs::set1(-INFINITY);
-            if (j0 + kTile - 1 <= limit) {
-              for (int u = 0; u < kSub; ++u) mx = vs::max(mx, vs::load(sc[r] + 16 * u));
-            } else {
-              for (int u = 0; u < kSub; ++u) {  // keys j0 + 16u + i <= limit stay
-                const vf x = vs::keep_first(vs::load(sc[r] + 16 * u), limit - j0 - 16 * u + 1,
-                                            -INFINITY);
-                vs::store(sc[r] + 16 * u, x);
-                mx = vs::max(mx, x);
-              }
-            }
-            const float new_max = std::max(row_max[row], vs::reduce_max(mx) * scale2);
-            float alpha = 1.f;
-            if (new_max == -INFINITY) {  // nothing visible to this row yet
-              std::memset(probs[r], 0, sizeof(probs[r]));
-            } else {
-              // the running max rarely moves after the first tiles: no exp when it stays
-              if (row_max[row] == -INFINITY) alpha = 0.f;
-              else if (new_max != row_max[row]) alpha = std::exp2(row_max[row] - new_max);
-              row_max[row] = new_max;
-              const vf top = vs::set1(new_max);
-              vf sum = vs::mul(vs::load(row_sum[row]), vs::set1(alpha));
-              for (int u = 0; u < kSub; ++u) {
-                const vf e = vs::exp2(vs::fmsub(vs::load(sc[r] + 16 * u), vscale2, top));
-                sum = vs::add(sum, e);
-                store_probs(probs[r] + 16 * u, e);
-              }
-              vs::store(row_sum[row], sum);
-            }
-            alphas[r] = alpha;
-            rescale |= alpha != 1.f;
+            alphas[r] = softmax_tile_row(sc[r], j0, limit, scale2, row_max[row], row_sum[row],
+                                         probs[r]);
+            rescale |= alphas[r] != 1.f;
           }
           const int64_t pairs = (std::min<int64_t>(kTile, last_key + 1 - j0) + 1) / 2;
           float* o = o_mem.data() + (r0 - b0) * D;
@@ -302,6 +313,74 @@ void attend(const Problem& P) {
     }
   });
 }
+
+#ifdef VS_BF16_DOT
+// attend() with its two products on AMX tiles (amx_attention.h): a task is one head's 16
+// query rows (padded with zero rows), the online softmax between the products as attend's.
+// D a multiple of 32.
+void attend_amx(const Problem& P, int64_t D) {
+  const int64_t n = P.n, m = P.m, Hq = P.Hq, G = P.G, offset = P.offset;
+  const int64_t dp_count = D / 2, m_pad = P.m_pad, row_blocks = (n + 15) / 16;
+  const bf16* qp = static_cast<const bf16*>(P.q);
+  const float scale2 = P.scale * 1.4426950408889634f;
+  constexpr int64_t kRows = 16;
+  at::parallel_for(0, Hq * row_blocks, 1, [&](int64_t t0, int64_t t1) {
+    amx::attention_tiles_begin();
+    std::vector<bf16> q_block(kRows * D);
+    std::vector<float> o(kRows * D), pv(kRows * D);
+    alignas(64) float sc[kRows][kTile];
+    alignas(64) uint16_t probs[kRows][kTile];
+    float row_max[kRows], alphas[kRows];
+    alignas(64) float row_sum[kRows][16];
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t h = task / row_blocks, b0 = (task % row_blocks) * kRows;
+      const int64_t rows = std::min<int64_t>(kRows, n - b0), hk = h / G;
+      const uint32_t* kh = P.kpk + hk * (m_pad / 16) * dp_count * 16;
+      const uint32_t* vh = P.vpk + hk * (m_pad / 2) * D;
+      for (int64_t r = 0; r < kRows; ++r) {
+        bf16* dst = q_block.data() + r * D;
+        if (r < rows) std::memcpy(dst, qp + ((b0 + r) * Hq + h) * D, D * sizeof(bf16));
+        else std::memset(dst, 0, D * sizeof(bf16));
+      }
+      std::fill(o.begin(), o.end(), 0.f);
+      std::fill(row_max, row_max + kRows, -INFINITY);
+      std::memset(row_sum, 0, sizeof(row_sum));
+      const int64_t block_last = P.causal ? std::min(m - 1, offset + b0 + rows - 1) : m - 1;
+      for (int64_t j0 = 0; j0 <= block_last; j0 += kTile) {
+        amx::qk_tiles(q_block.data(), D, kh + (j0 / 16) * dp_count * 16, dp_count, sc);
+        bool rescale = false;
+        for (int64_t r = 0; r < kRows; ++r) {
+          // padding rows see what the block's last row sees; their output is dropped
+          const int64_t q_row = b0 + std::min(r, rows - 1);
+          const int64_t limit = P.causal ? std::min(m - 1, offset + q_row) : m - 1;
+          alphas[r] = softmax_tile_row(sc[r], j0, limit, scale2, row_max[r], row_sum[r], probs[r]);
+          rescale |= alphas[r] != 1.f;
+        }
+        amx::pv_tiles(probs, vh + (j0 / 2) * D, D, pv.data());
+        for (int64_t r = 0; r < kRows; ++r) {
+          float* orow = o.data() + r * D;
+          const float* prow = pv.data() + r * D;
+          if (rescale) {
+            const vf a = vs::set1(alphas[r]);
+            for (int64_t d = 0; d < D; d += 16)
+              vs::store(orow + d, vs::fmadd(vs::load(orow + d), a, vs::load(prow + d)));
+          } else {
+            for (int64_t d = 0; d < D; d += 16)
+              vs::store(orow + d, vs::add(vs::load(orow + d), vs::load(prow + d)));
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const vf inv = vs::set1(1.0f / vs::reduce_add(vs::load(row_sum[r])));
+        bf16* out = static_cast<bf16*>(P.out) + ((b0 + r) * Hq + h) * D;
+        for (int64_t d = 0; d < D; d += 16)
+          vs::store_bf16(out + d, vs::mul(vs::load(o.data() + r * D + d), inv));
+      }
+    }
+    amx::attention_tiles_end();
+  });
+}
+#endif
 
 #ifndef VS_BF16_DOT
 // pack_kv's emulated layout for keys j0..j0+15 of head h: per dimension pair p, the 16 keys'
@@ -331,8 +410,17 @@ void widen_keys_values(KOf k_of, VOf v_of, int64_t j0, int64_t m, int64_t h, int
 }
 #endif
 
-// attend() compiled for head size D (16 .. 128, step 16)
-void attend_any(const Problem& problem, int64_t D) {
+// attend() compiled for head size D (16 .. 128, step 16); with ``amx`` (the caller checked
+// amx::amx_usable()) on AMX tiles where D is a multiple of 32
+void attend_any(const Problem& problem, int64_t D, bool amx = false) {
+#ifdef VS_BF16_DOT
+  if (amx && D % 32 == 0 && !problem.fp32_io) {
+    attend_amx(problem, D);
+    return;
+  }
+#else
+  (void)amx;
+#endif
   switch (D / 16) {
     case 1: attend<1, rows_per_block(1)>(problem); break;
     case 2: attend<2, rows_per_block(2)>(problem); break;
@@ -456,18 +544,27 @@ std::vector<at::Tensor> pack_kv(const at::Tensor& k_in, const at::Tensor& v_in) 
   return {kpk_t, vpk_t, at::scalar_tensor(m, opts.dtype(at::kLong))};
 }
 
+bool amx_attention_usable() {
+#ifdef VS_BF16_DOT
+  return amx::amx_usable();
+#else
+  return false;
+#endif
+}
+
 // q: [n, Hq, D] against keys/values packed by pack_kv (m of them). Query i sits at position
 // m - n + i: with ``causal`` it sees keys j <= m - n + i, otherwise all m. Returns
 // [n, Hq, D] in q's dtype (bf16, or fp32: computed in fp32 emulated, in bf16 natively).
+// ``amx``: the products on AMX tiles where this build and machine have them (amx_attention.h).
 at::Tensor attend_packed(const at::Tensor& q_in, const std::vector<at::Tensor>& packed,
-                         double scale, bool causal) {
+                         double scale, bool causal, bool amx) {
   const auto dtype = q_in.scalar_type();
   TORCH_CHECK(q_in.dim() == 3 && (dtype == at::kBFloat16 || dtype == at::kFloat),
               "q: [n, heads, D], bf16 or fp32");
   TORCH_CHECK(packed.size() == 3, "packed: the result of pack_kv");
 #ifdef VS_BF16_DOT
   if (dtype == at::kFloat)
-    return attend_packed(q_in.to(at::kBFloat16), packed, scale, causal).to(at::kFloat);
+    return attend_packed(q_in.to(at::kBFloat16), packed, scale, causal, amx).to(at::kFloat);
 #endif
   const at::Tensor q = q_in.contiguous();
   const at::Tensor &kpk = packed[0], &vpk = packed[1];
@@ -484,7 +581,7 @@ at::Tensor attend_packed(const at::Tensor& q_in, const std::vector<at::Tensor>& 
                         reinterpret_cast<const uint32_t*>(kpk.data_ptr<int32_t>()),
                         reinterpret_cast<const uint32_t*>(vpk.data_ptr<int32_t>()),
                         n, m, Hq, Hq / Hk, m - n, m_pad, static_cast<float>(scale), causal};
-  attend_any(problem, D);
+  attend_any(problem, D, amx && amx_attention_usable());
   return out;
 }
 
@@ -500,7 +597,7 @@ int64_t packed_keys_bytes(int64_t tokens, int64_t Hk, int64_t D) {
 void attend_cached_chunk(const bf16* q, int64_t q_stride, bf16* out, int64_t out_stride, int64_t n,
                          int64_t Hq, const bf16* kc, const bf16* vc, int64_t Hk, int64_t D,
                          const int64_t* slots, int64_t m, float scale, PackedKeys* keep,
-                         int64_t reuse) {
+                         int64_t reuse, bool amx) {
   TORCH_CHECK(n >= 1 && m >= n && Hq % Hk == 0 && D % 16 == 0 && D <= 128, "chunk attention shapes");
   const int64_t m_pad = (m + kTile - 1) / kTile * kTile, dp_count = D / 2, row = Hk * D;
   auto opts = at::TensorOptions().dtype(at::kInt);
@@ -533,15 +630,15 @@ void attend_cached_chunk(const bf16* q, int64_t q_stride, bf16* out, int64_t out
   for (int64_t r = 0; r < n; ++r) std::memcpy(qd + r * q_row, q + r * q_stride, q_row * sizeof(bf16));
   const Problem problem{qd, oc.data_ptr(), false, kpk, vpk, n, m, Hq, Hq / Hk, m - n, stride,
                         scale, true};
-  attend_any(problem, D);
+  attend_any(problem, D, amx && amx_attention_usable());
   const bf16* od = oc.data_ptr<bf16>();
   for (int64_t r = 0; r < n; ++r)
     std::memcpy(out + r * out_stride, od + r * q_row, q_row * sizeof(bf16));
 }
 
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           double scale, bool causal) {
+                           double scale, bool causal, bool amx) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(2) == k.size(2), "q, k, v: [tokens, heads, D]");
   TORCH_CHECK(q.scalar_type() == k.scalar_type(), "q, k, v: all bf16, or all fp32");
-  return attend_packed(q, pack_kv(k, v), scale, causal);
+  return attend_packed(q, pack_kv(k, v), scale, causal, amx);
 }

@@ -1327,6 +1327,14 @@ class FusedDecoder {
   }
   bool amx_gemv() const { return amx_gemv_; }
 
+  // Prompt chunks' attention on AMX tiles (amx_attention.h) instead of the dot product: the
+  // platform plan asks for it on AMX CPUs. Returns whether it is on (never without AMX).
+  bool set_amx_attention(bool enable) {
+    amx_attention_ = enable && amx_attention_usable();
+    return amx_attention_;
+  }
+  bool amx_attention() const { return amx_attention_; }
+
   // Most rows one forward takes: the row-major dot-product kernel holds at most kMaxGemvRows;
   // panels (emulated and AVX2 builds, int8) and oneDNN's packed GEMM take any number
   int64_t max_rows() const { return packed_ || panels_ ? kAnyRows : kMaxGemvRows; }
@@ -1438,7 +1446,8 @@ class FusedDecoder {
                               g.rows, num_heads_, L.k_cache.data_ptr<bf16>(),
                               L.v_cache.data_ptr<bf16>(), num_kv_heads_, head_dim_,
                               chunk_slots[s].data(), int64_t(chunk_slots[s].size()), scale,
-                              chunk_kept[s] ? &chunk_kept[s]->layers[li] : nullptr, chunk_reuse[s]);
+                              chunk_kept[s] ? &chunk_kept[s]->layers[li] : nullptr, chunk_reuse[s],
+                              amx_attention_);
         } else {
           paged_decode_attention(g.rows, qkv + g.m0 * qkv_size_, qkv_size_, attn + g.m0 * q_size,
                                  num_heads_, num_kv_heads_, head_dim_, L.k_cache.data_ptr<bf16>(),
@@ -1670,7 +1679,7 @@ class FusedDecoder {
   at::Tensor final_norm_, lm_head_, lm_head_p_, lm_head_s_;
   Panels lm_head_n_;
   int64_t gemv_max_rows_;
-  bool amx_gemv_ = false, tiled_ = false;
+  bool amx_gemv_ = false, tiled_ = false, amx_attention_ = false;
   TiledWeights lm_head_t_;
   int64_t weight_prefetch_ = 0;
   bool packed_ = false;
@@ -1863,7 +1872,7 @@ class PanelGemv {
 // context_len tokens whose slots block_table [max_blocks] gives): exposed for tests
 at::Tensor chunk_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_table,
-                           int64_t context_len, int64_t block_size, double scale) {
+                           int64_t context_len, int64_t block_size, double scale, bool amx) {
   check_attention_inputs(q_in, k_cache, v_cache);
   const at::Tensor q = q_in.contiguous();
   const at::Tensor table = block_table.to(at::kLong).contiguous();
@@ -1876,16 +1885,16 @@ at::Tensor chunk_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
   at::Tensor out = at::empty_like(q);
   attend_cached_chunk(q.data_ptr<at::BFloat16>(), H * D, out.data_ptr<at::BFloat16>(), H * D, n, H,
                       k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), KVH, D,
-                      slots.data(), context_len, static_cast<float>(scale));
+                      slots.data(), context_len, static_cast<float>(scale), nullptr, 0, amx);
   return out;
 }
 
 // cpu_attention.cpp
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           double scale, bool causal);
+                           double scale, bool causal, bool amx);
 std::vector<at::Tensor> pack_kv(const at::Tensor& k, const at::Tensor& v);
 at::Tensor attend_packed(const at::Tensor& q, const std::vector<at::Tensor>& packed, double scale,
-                         bool causal);
+                         bool causal, bool amx);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // which traits header this build was written against, and whether it multiplies bf16 pairs
@@ -1920,6 +1929,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_weight_prefetch", &FusedDecoder::set_weight_prefetch, pybind11::arg("bytes"))
       .def("set_amx_gemv", &FusedDecoder::set_amx_gemv, pybind11::arg("enable"))
       .def_property_readonly("amx_gemv", &FusedDecoder::amx_gemv)
+      .def("set_amx_attention", &FusedDecoder::set_amx_attention, pybind11::arg("enable"))
+      .def_property_readonly("amx_attention", &FusedDecoder::amx_attention)
       .def("weight_prefetch", &FusedDecoder::weight_prefetch)
       .def("kept_contexts", &FusedDecoder::kept_contexts)
       .def("forget_context", &FusedDecoder::forget_context);
@@ -1930,7 +1941,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_matmul", &small_matmul);
   m.def("tile_matrix", &tile_matrix);
   m.def("tiled_matmul", &tiled_matmul);
-  // whether this build and machine can run the AMX GEMV (the OS granted the tile state)
+  // whether this build and machine can run the AMX GEMV and attention (the OS granted the
+  // tile state)
 #ifdef VS_BF16_DOT
   m.def("amx_usable", &amx::amx_usable);
 #else
@@ -1941,14 +1953,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("chunk_attention", &chunk_attention, pybind11::arg("q"), pybind11::arg("k_cache"),
         pybind11::arg("v_cache"), pybind11::arg("block_table"), pybind11::arg("context_len"),
-        pybind11::arg("block_size"), pybind11::arg("scale"),
+        pybind11::arg("block_size"), pybind11::arg("scale"), pybind11::arg("amx") = false,
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("copy_to_huge_pages", &copy_to_huge_pages);
   m.def("flash_attention", &flash_attention, pybind11::arg("q"), pybind11::arg("k"),
         pybind11::arg("v"), pybind11::arg("scale"), pybind11::arg("causal"),
-        pybind11::call_guard<pybind11::gil_scoped_release>());
+        pybind11::arg("amx") = false, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("pack_kv", &pack_kv, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("attend_packed", &attend_packed, pybind11::arg("q"), pybind11::arg("packed"),
-        pybind11::arg("scale"), pybind11::arg("causal"),
+        pybind11::arg("scale"), pybind11::arg("causal"), pybind11::arg("amx") = false,
         pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -150,6 +150,7 @@ def paged_attention(
     scale: float,
     kernels=None,
     native_prefill: bool = True,
+    amx: bool = False,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D]; caches: [slots, KVH, D]. Returns [T, H, D].
 
@@ -157,7 +158,8 @@ def paged_attention(
     kernel, and, with ``native_prefill`` (the platform plan's choice), longer prompt chunks
     its flash kernel, which takes grouped KV heads and a causal offset directly; without it
     they run torch's flash kernel, which on AMX CPUs computes in tiles at several times the
-    rate of ours."""
+    rate of ours without ``amx`` (its products on AMX tiles: the platform plan's choice
+    there)."""
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
@@ -206,7 +208,7 @@ def paged_attention(
                 prefix = chunk.context_slots[: chunk.context_slots.shape[0] - n]
                 kc = torch.cat([k_cache[prefix], kc])
                 vc = torch.cat([v_cache[prefix], vc])
-            out[rows] = kernels.flash_attention(q[rows], kc, vc, scale, True)
+            out[rows] = kernels.flash_attention(q[rows], kc, vc, scale, True, amx)
             continue
         if chunk.context_slots is None:
             qp = q[chunk.q_start : chunk.q_end].transpose(0, 1)  # [H, n, D]

@@ -91,6 +91,7 @@ def load_model(
         param.data = param.data.to(vision_dtype)
     model.visual = visual
     model.torch_flash_attention = plan.torch_flash_attention
+    model.amx_attention = plan.amx_attention
     model.load_weights(iter_safetensors(model_dir))
     model.eval()
     kernels = load_cpu_decode() if plan.use_cpu_kernels else None

@@ -33,6 +33,7 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5
         self.kernels = None  # engine.kernels module: native attention (bf16 CPU)
         self.native_prefill = True  # long prompt chunks through it too (the platform plan's)
+        self.amx = False  # its products on AMX tiles (the platform plan's)
 
     def forward(
         self,
@@ -48,7 +49,16 @@ class Attention(nn.Module):
         k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         o = paged_attention(
-            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.kernels, self.native_prefill
+            q,
+            k,
+            v,
+            kv_cache[0],
+            kv_cache[1],
+            meta,
+            self.scale,
+            self.kernels,
+            self.native_prefill,
+            self.amx,
         )
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -144,6 +154,8 @@ class Qwen2VLModel(nn.Module):
         # prompt chunks and the vision tower attend through torch's flash kernel, not ours
         # (engine/platform.py decides; load_model sets it before the kernels)
         self.torch_flash_attention = False
+        # engine.kernels' attention with its products on AMX tiles (the platform plan's)
+        self.amx_attention = False
 
     # ---- forward pieces -------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -165,11 +177,12 @@ class Qwen2VLModel(nn.Module):
     def set_cpu_kernels(self, kernels) -> None:
         """Route bf16 CPU attention through the native kernels: decodes always, prompt chunks
         and the vision tower unless ``torch_flash_attention`` (set first, from the platform
-        plan: AMX CPUs, where torch's flash kernel is faster)."""
+        plan: AMX CPUs without our kernel's tiles, where torch's flash kernel is faster)."""
         self.cpu_kernels = kernels
         for layer in self.layers:
             layer.self_attn.kernels = kernels
             layer.self_attn.native_prefill = not self.torch_flash_attention
+            layer.self_attn.amx = self.amx_attention
         self._vision_tower = None  # rebuilt with the kernels on next use
 
     def decode_kernel_weights(self) -> list[torch.Tensor]:
@@ -249,6 +262,7 @@ class Qwen2VLModel(nn.Module):
                 max_rows_per_item,
                 kernels=self.cpu_kernels,
                 torch_flash=self.torch_flash_attention,
+                amx_attention=self.amx_attention,
             )
         return self._vision_tower
 

@@ -193,6 +193,7 @@ class VisionTower:
         max_rows_per_item: int | None = None,
         kernels=None,
         torch_flash: bool = False,
+        amx_attention: bool = False,
     ) -> None:
         self.hf = hf_tower
         self.kernels = kernels  # engine.kernels: native flash attention for bf16 on CPU
@@ -200,6 +201,10 @@ class VisionTower:
         # CPUs, where it runs bf16 in tiles): a 640x480 frame of the bench tower in 0.85 s
         # against 2.1 s with our kernel and 1.6 s with the two-matmul path (2-core AMX Xeon)
         self.torch_flash = torch_flash
+        # the kernels' attention with its products on AMX tiles (the plan's choice on AMX
+        # CPUs, over torch_flash): 300 rows of the bench tower's 6 heads against a 640x480
+        # frame's 4,800 keys in 3.6 ms against ~9 for torch's flash kernel (2-core AMX Xeon)
+        self.amx_attention = amx_attention
         self.windowed = architecture == QWEN2_5_VL
         self.merge = vision_config.spatial_merge_size
         self.merge_unit = self.merge**2
@@ -573,7 +578,8 @@ class VisionEncodeJob:
                 self._packed[(k0, k0 + k_len)] = packed
             q0 = call.q0 + b * q_len
             heads = [packed[0][h0:h1], packed[1][h0:h1], packed[2]]
-            parts.append(kernels.attend_packed(self.q[q0 : q0 + q_len, h0:h1], heads, scale, False))
+            q = self.q[q0 : q0 + q_len, h0:h1]
+            parts.append(kernels.attend_packed(q, heads, scale, False, self.tower.amx_attention))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out.view(call.q1 - call.q0, -1)
 

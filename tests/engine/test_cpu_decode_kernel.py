@@ -125,24 +125,30 @@ def _attention_fp32(q, k, v, scale: float, causal: bool) -> torch.Tensor:
         (1, 9, 3, 1, 32, True),
     ],
 )
-def test_flash_attention_matches_fp32(n, m, heads, kv_heads, head_dim, causal) -> None:
+@pytest.mark.parametrize("amx", [False, True], ids=["dot", "amx"])
+def test_flash_attention_matches_fp32(n, m, heads, kv_heads, head_dim, causal, amx) -> None:
+    """``amx``: the products on AMX tiles where the machine has them (head sizes a multiple
+    of 32), the dot products elsewhere: the same result either way."""
     gen = torch.Generator().manual_seed(n * m + head_dim)
     q = torch.randn(n, heads, head_dim, generator=gen).bfloat16()
     k = torch.randn(m, kv_heads, head_dim, generator=gen).bfloat16()
     v = torch.randn(m, kv_heads, head_dim, generator=gen).bfloat16()
     scale = head_dim**-0.5
     want = _attention_fp32(q, k, v, scale, causal)
-    got = kernels.flash_attention(q, k, v, scale, causal).float()
+    got = kernels.flash_attention(q, k, v, scale, causal, amx).float()
     # probabilities go through bf16 for p.v (as in GPU flash attention), the output is bf16
     torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-2)
     packed = kernels.pack_kv(k, v)  # the split API: pack once, attend many query blocks
-    parts = [kernels.attend_packed(q[i : i + 16], packed, scale, False) for i in range(0, n, 16)]
+    parts = [
+        kernels.attend_packed(q[i : i + 16], packed, scale, False, amx) for i in range(0, n, 16)
+    ]
     if not causal:
         assert torch.equal(torch.cat(parts), got.bfloat16())
 
 
+@pytest.mark.parametrize("amx", [False, True], ids=["dot", "amx"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_flash_attention_with_a_late_dominant_key(causal: bool) -> None:
+def test_flash_attention_with_a_late_dominant_key(causal: bool, amx: bool) -> None:
     """Tiles are exponentiated against a running max that may trail the true one; a key far
     above everything before it, several tiles in, must still rescale what came before."""
     gen = torch.Generator().manual_seed(11)
@@ -155,8 +161,44 @@ def test_flash_attention_with_a_late_dominant_key(causal: bool) -> None:
     q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
     scale = head_dim**-0.5
     want = _attention_fp32(q, k, v, scale, causal)
-    got = kernels.flash_attention(q, k, v, scale, causal).float()
+    got = kernels.flash_attention(q, k, v, scale, causal, amx).float()
     torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize(
+    ("n", "m", "heads", "kv_heads", "head_dim", "causal"),
+    [
+        (1, 100, 12, 4, 64, True),  # one row: 15 of the tile's 16 are padding
+        (37, 1200, 12, 4, 64, True),  # a camera prompt's chunk, bench heads
+        (300, 4800, 6, 6, 64, False),  # a vision piece against a 640x480 frame's keys
+        (20, 333, 12, 2, 128, False),  # Qwen2-VL-2B's head size, a partial last tile
+        (50, 50, 4, 4, 32, True),
+    ],
+)
+def test_amx_attention_agrees_with_the_dot_product(n, m, heads, kv_heads, head_dim, causal):
+    """On AMX the tiles' products equal the dot products' up to summation order; head sizes
+    the tiles do not take (not a multiple of 32) stay on the dot products, bit for bit."""
+    if not _amx():
+        pytest.skip("no AMX here: the flag falls back to the dot products (tested above)")
+    gen = torch.Generator().manual_seed(n + m)
+    q = torch.randn(n, heads, head_dim, generator=gen).bfloat16()
+    k = torch.randn(m, kv_heads, head_dim, generator=gen).bfloat16()
+    v = torch.randn(m, kv_heads, head_dim, generator=gen).bfloat16()
+    packed = kernels.pack_kv(k, v)
+    scale = head_dim**-0.5
+    dot = kernels.attend_packed(q, packed, scale, causal, False).float()
+    tiles = kernels.attend_packed(q, packed, scale, causal, True).float()
+    torch.testing.assert_close(tiles, dot, rtol=2e-2, atol=1e-2)
+    if m >= 1000:  # the tiles ran: over this many keys the summation order shows somewhere
+        assert not torch.equal(tiles, dot)
+    odd = torch.randn(n, heads, 48, generator=gen).bfloat16()
+    packed48 = kernels.pack_kv(
+        torch.randn(m, kv_heads, 48).bfloat16(), torch.randn(m, kv_heads, 48).bfloat16()
+    )
+    assert torch.equal(
+        kernels.attend_packed(odd, packed48, 0.1, causal, True),
+        kernels.attend_packed(odd, packed48, 0.1, causal, False),
+    )
 
 
 @pytest.mark.parametrize(("rows", "heads", "kv_heads", "head_dim"), [(1, 12, 4, 64), (5, 4, 2, 16)])
@@ -195,9 +237,13 @@ def test_paged_decode_attention_matches_fp32(rows, heads, kv_heads, head_dim) ->
         (32, 300, 6, 2, 128, 16),
     ],
 )
-def test_chunk_attention_matches_fp32(n, context, heads, kv_heads, head_dim, block_size) -> None:
+@pytest.mark.parametrize("amx", [False, True], ids=["dot", "amx"])
+def test_chunk_attention_matches_fp32(
+    n, context, heads, kv_heads, head_dim, block_size, amx
+) -> None:
     """A prompt chunk's rows (the last n of ``context`` tokens, scattered blocks, causal) as
-    the fused step attends them: packed from the paged cache and attended as one block."""
+    the fused step attends them: packed from the paged cache and attended as one block (on
+    AMX tiles with ``amx`` where the machine has them)."""
     gen = torch.Generator().manual_seed(n + context)
     num_blocks = context // block_size + 8
     k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen).bfloat16()
@@ -205,7 +251,9 @@ def test_chunk_attention_matches_fp32(n, context, heads, kv_heads, head_dim, blo
     table = torch.randperm(num_blocks, generator=gen)
     q = torch.randn(n, heads, head_dim, generator=gen).bfloat16()
     scale = head_dim**-0.5
-    got = kernels.chunk_attention(q, k_cache, v_cache, table, context, block_size, scale).float()
+    got = kernels.chunk_attention(
+        q, k_cache, v_cache, table, context, block_size, scale, amx
+    ).float()
     idx = torch.arange(context)
     slots = table[idx // block_size] * block_size + idx % block_size
     want = _attention_fp32(q, k_cache[slots], v_cache[slots], scale, True)
@@ -559,3 +607,59 @@ def _capture_sampled_logits(llm: LLM) -> list[torch.Tensor]:
 
     runner._sample = keep
     return logs
+
+
+@pytest.fixture(scope="module")
+def head32_checkpoint(tmp_path_factory):
+    """The tiny checkpoint with heads of 32 (decoder and tower): the smallest head size the
+    AMX attention takes (tiny's 16 stays on the dot products)."""
+    import dataclasses
+
+    import engine.checkpoints as checkpoints
+
+    tiny = checkpoints.PRESET_SHAPES["tiny"]
+    shapes = dataclasses.replace(
+        tiny,
+        hidden_size=128,
+        intermediate_size=256,
+        mrope_section=(4, 6, 6),
+        vision_embed_dim=64,
+        vision_intermediate_size=128,
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(checkpoints.PRESET_SHAPES, "tiny-head32", shapes)
+        mp.setattr(checkpoints, "PRESETS", (*checkpoints.PRESETS, "tiny-head32"))
+        out = tmp_path_factory.mktemp("qwen2_vl-tiny-head32")
+        return checkpoints.make_model("qwen2_vl", "tiny-head32", out, seed=0)
+
+
+def test_the_plan_runs_prompt_and_vision_attention_on_amx_tiles(head32_checkpoint) -> None:
+    """Where the plan puts attention on AMX tiles, every path is told so -- prompt chunks in
+    the fused kernel (24-row chunks here), the layers for the eager path's long chunks, the
+    vision tower -- and the greedy tokens of an image request are those of the dot products
+    (a second engine, tiles turned off)."""
+    conv = image_conv("Describe the frame.", noise_image(168, 112, seed=7))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def engine(tiles: bool) -> LLM:
+        llm = LLM(model=str(head32_checkpoint), dtype="bfloat16", max_num_batched_tokens=24)
+        model, runner = llm.engine.model, llm.engine.runner
+        assert runner.amx_attention == llm.engine.platform.amx_attention
+        if not tiles:
+            assert not runner.fused_decoder.set_amx_attention(False)
+            model.amx_attention = False
+            model.set_cpu_kernels(model.cpu_kernels)  # the layers' flag and the tower anew
+        return llm
+
+    llm = engine(tiles=True)
+    decoder, model = llm.engine.runner.fused_decoder, llm.engine.model
+    if not _amx():
+        assert not llm.engine.platform.amx_attention and not decoder.amx_attention
+        pytest.skip("no AMX here: the plan keeps the dot products")
+    assert decoder.amx_attention and "prefill_attention=amx-tiles" in llm.engine.platform.describe()
+    assert all(layer.self_attn.amx for layer in model.layers)
+    assert model.vision_tower(64).amx_attention
+    with_tiles = llm.chat(conv, params)[0].outputs[0].token_ids
+    without = engine(tiles=False).chat(conv, params)[0].outputs[0].token_ids
+    agree = sum(a == b for a, b in zip(with_tiles, without, strict=True)) / len(without)
+    assert agree >= 0.9, (with_tiles, without)

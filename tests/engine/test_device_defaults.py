@@ -112,13 +112,19 @@ def test_the_platform_plan_decides_together(monkeypatch) -> None:
     # prompt steps ride the fused kernel up to 1,024 rows over oneDNN's GEMM, 16 over panels
     assert fast.fused_prompt_rows == 1024 and "fused_prompt_rows=1024" in fast.describe()
     assert not fast.torch_flash_attention and "prefill_attention=native" in fast.describe()
-    # AMX: prompt chunks and the tower attend through torch's flash kernel (AMX tiles), so
-    # long chunks leave the fused kernel (its attention is ours); decodes keep it
+    # AMX: prompt chunks and the tower attend through our flash kernel with its products on
+    # AMX tiles; without our kernels there, through torch's (AMX tiles too)
     amx = _plan(monkeypatch, True, variant="native-bf16", amx=True)
-    assert amx.torch_flash_attention and "prefill_attention=torch-flash" in amx.describe()
+    assert amx.amx_attention and "prefill_attention=amx-tiles" in amx.describe()
+    assert not amx.torch_flash_attention
     assert amx.fused_prompt_rows == 256 and amx.use_cpu_kernels
     assert amx.encoder_rows_per_item == 512
+    no_kernels = _plan(monkeypatch, True, variant="native-bf16", amx=True, cpu_kernels=False)
+    assert no_kernels.torch_flash_attention and not no_kernels.amx_attention
+    assert "prefill_attention=torch-flash" in no_kernels.describe()
     assert not _plan(monkeypatch, True, amx=True, dtype=torch.float32).torch_flash_attention
+    assert not _plan(monkeypatch, True, amx=True, dtype=torch.float32).amx_attention
+    assert not fast.amx_attention  # AVX512-BF16 without AMX: the dot products
     # ... and the decode GEMV runs on AMX tiles, bf16 weights only (int8 keeps its panels)
     assert amx.gemv_amx_tiles and "gemv=amx-tiles" in amx.describe()
     assert not fast.gemv_amx_tiles and "gemv=dot" in fast.describe()
