@@ -239,11 +239,12 @@ def plan_platform(
     else:
         linear_kind = "bf16-upcast" if emulated else "onednn-packed"
     # On AMX our flash kernel runs its products in tiles (amx_attention.h): on a 2-core AMX
-    # Xeon 4-5x its AVX512-BF16 dot products (128 prompt rows against 1,200 keys, bench heads:
-    # 0.68 against 3.3 ms a layer; torch's flash kernel 2.5 with a mask) and ~2.5x torch's
-    # flash kernel on the vision tower's rows (300 rows of 6 heads against 4,800 keys: 3.6 ms).
-    # Without our kernels there, torch's flash kernel, which runs bf16 on AMX tiles too: a
-    # 640x480 frame's tower 2.5x faster than through our AVX512-BF16 dot products.
+    # Xeon (python -m benchmarks.attention) 3-5x its AVX512-BF16 dot products, 2.4-2.8x
+    # torch's flash kernel on prompt chunks (128 rows against 1,200 keys, bench heads: 1.46
+    # against 5.39 and 3.51 ms a layer; torch needs a mask for the chunk's causal offset) and
+    # 1.1-1.3x on the vision tower's pieces (one head's 256 rows against 4,800 keys: 1.31
+    # against 1.65 ms). Without our kernels there, torch's flash kernel, which runs bf16 on
+    # AMX tiles too: a 640x480 frame's tower 2.5x faster than through our dot products.
     amx_attention = bool(use_kernels) and variant == "native-bf16" and cpu_has_amx()
     torch_flash = on_cpu and dtype == torch.bfloat16 and cpu_has_amx() and not amx_attention
     # bf16 row-major weights only: int8 matrices run their own panels

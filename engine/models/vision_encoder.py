@@ -202,8 +202,9 @@ class VisionTower:
         # against 2.1 s with our kernel and 1.6 s with the two-matmul path (2-core AMX Xeon)
         self.torch_flash = torch_flash
         # the kernels' attention with its products on AMX tiles (the plan's choice on AMX
-        # CPUs, over torch_flash): 300 rows of the bench tower's 6 heads against a 640x480
-        # frame's 4,800 keys in 3.6 ms against ~9 for torch's flash kernel (2-core AMX Xeon)
+        # CPUs, over torch_flash): one head's 256 rows against a 640x480 frame's 4,800 keys
+        # in 1.31 ms against 1.65 through torch's flash kernel (2-core AMX Xeon,
+        # benchmarks.attention); the frame's prompt chunks gain more (2.4-2.8x)
         self.amx_attention = amx_attention
         self.windowed = architecture == QWEN2_5_VL
         self.merge = vision_config.spatial_merge_size

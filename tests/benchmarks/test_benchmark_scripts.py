@@ -173,6 +173,21 @@ def test_gemv_script(results):
 
 
 @pytest.mark.slow
+def test_attention_script(results):
+    from engine.kernels import load_cpu_decode
+
+    kernels = load_cpu_decode()
+    if kernels is None:
+        pytest.skip("engine.kernels do not build on this CPU")
+    _run("benchmarks.attention", "--repeats", "1", "--out", "a.json", results=results)
+    data = json.loads((results / "a.json").read_text())
+    assert data["amx"] == bool(kernels.amx_usable())
+    variants = {"dot", "sdpa", "amx"} if data["amx"] else {"dot", "sdpa"}
+    assert len(data["rows"]) == 7 and all(set(r["ms"]) == variants for r in data["rows"])
+    assert all(ms > 0 for r in data["rows"] for ms in r["ms"].values())
+
+
+@pytest.mark.slow
 def test_step_overhead_script(tiny_qwen2_vl, results):
     _run(
         "benchmarks.step_overhead",
