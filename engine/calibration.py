@@ -25,6 +25,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import time
@@ -364,9 +365,11 @@ def log_step_policy(scheduler: Scheduler, args: EngineArgs) -> None:
     batch_only = scheduler.new_budget()
     batch_only.open_prefill(interactive_decoding=False)
     bound = batch_only.step_bound_s()
+    encoder_bound = batch_only.encoder_step_bound_s()
     log.info(
         "step_policy mode=time-sized token_cap=%d itl_target=%s (%s ms with one chat stream) "
-        "max_step=%s (%s ms) decode_step=%.1f ms (eager forward %.1f ms; fused kernel rows: "
+        "max_step=%s (%s ms; encoder-only steps %s ms) decode_step=%.1f ms (eager forward "
+        "%.1f ms; fused kernel rows: "
         "%d decode-only, %d with prompt tokens) prefill=%.2f ms/token => ~%d camera prompt "
         "tokens beside one chat stream (another chat's prompt ~%d), up to ~%d per batch-only "
         "step; why: an arriving chat request waits at most one step, and chat streams keep "
@@ -376,6 +379,7 @@ def log_step_policy(scheduler: Scheduler, args: EngineArgs) -> None:
         "-" if budget.itl_target_s is None else f"{budget.itl_target_s * 1e3:.1f}",
         "off" if limits.max_step_s is None else limits.max_step_s,
         "-" if bound is None else f"{bound * 1e3:.1f}",
+        "-" if math.isinf(encoder_bound) else f"{encoder_bound * 1e3:.1f}",
         decode_s * 1e3,
         eager_s * 1e3,
         cfg.fused_decode_rows,

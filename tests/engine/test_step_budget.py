@@ -15,7 +15,7 @@ from engine import LLM, EngineArgs, SamplingParams
 from engine.config import TIME_SIZED_TOKEN_CAP
 from engine.cost_model import StepCostModel, StepFeatures
 from engine.llm_engine import LLMEngine
-from engine.step_budget import AUTO, StepBudget, StepLimits
+from engine.step_budget import AUTO, STARVED_STEP_STRETCH, StepBudget, StepLimits
 from tests.engine.helpers import SYNTHETIC_COSTS, image_conv, noise_image, text_conv
 
 SYNTHETIC = SYNTHETIC_COSTS
@@ -125,11 +125,17 @@ def test_an_arriving_interactive_request_goes_first_and_waits_no_batch_work(tiny
     assert not sched.encoder_work, "and no batch encoder work"
     _run(eng, sched)
 
-    # while the chat stream decodes, batch work fills what the auto ITL target leaves
-    decode_only = eng.scheduler.cost_model.predict(StepFeatures(decode_tokens=1, attention_units=1))
+    # while the chat stream decodes, batch work fills what the auto ITL target leaves: 1.25x
+    # the step's decodes (the chat's, and the camera's once its prompt is done)
     for _ in range(2):
         sched = eng.scheduler.schedule()
         assert sched.chunks[0].request_id == "chat" and sched.chunks[0].is_decode
+        decodes = [c for c in sched.chunks if c.is_decode]
+        decode_only = eng.scheduler.cost_model.predict(
+            StepFeatures(
+                decode_tokens=len(decodes), attention_units=sum(c.start + 1 for c in decodes)
+            )
+        )
         assert sched.target_s == pytest.approx(1.25 * decode_only, rel=0.05)
         assert eng.scheduler.cost_model.predict(sched.features) <= sched.target_s + 1e-9
         _run(eng, sched)
@@ -280,11 +286,54 @@ def test_an_interactive_image_is_encoded_before_batch_images(tiny_qwen2_vl):
     assert list(sched.encoder_work) == [look_hash], "the chat image's encoding, nothing else"
 
 
+@pytest.mark.parametrize("max_step_ms", [None, "30"], ids=["auto", "explicit"])
+def test_encoder_only_steps_stop_at_twice_the_decode_step(tiny_qwen2_vl, max_step_ms):
+    """A frame encoding with nothing else beside it: under the "auto" step bound its
+    encoder-only steps stop at ``encoder_only_factor`` x the decode step (a chat arriving
+    while cameras run waits behind one of those most of the time), its prompt steps keep the
+    whole bound (each re-reads the decoder's weights). An explicit --max-step-ms bounds both
+    alike."""
+    kw = {} if max_step_ms is None else {"max_step_ms": max_step_ms}
+    _, eng = _engine(tiny_qwen2_vl, enable_prefix_caching=False, encoder_rows_per_item=16, **kw)
+    eng.scheduler.cost_model = StepCostModel(coefficients={**SYNTHETIC, "encoder_kunits": 2.0})
+    eng.add_request("cam", _frame(24), FEW, priority="batch")
+    budget = eng.scheduler.new_budget()
+    budget.open_prefill(interactive_decoding=False)
+    bound, short = budget.step_bound_s(), budget.encoder_step_bound_s()
+    if max_step_ms is None:
+        assert short == pytest.approx(2 * budget.cost_model.predict(StepFeatures(decode_tokens=1)))
+        assert short < bound / 2
+    else:
+        assert short == float("inf") and bound == pytest.approx(0.030)
+    encoder_only, longest = 0, 0.0
+    while eng.has_unfinished():
+        sched = eng.scheduler.schedule()
+        # a prompt chunk starved for max_deferred_steps may stretch its step that far
+        assert sched.predicted_s <= STARVED_STEP_STRETCH * bound + 1e-9
+        if sched.encoder_work and not sched.num_prefill_tokens:
+            encoder_only += 1
+            longest = max(longest, sched.predicted_s)
+            assert sched.predicted_s <= min(short, bound) + 1e-9
+        _run(eng, sched)
+    assert encoder_only >= 2, "the frame took several encoder-only steps"
+    assert longest > 0.8 * min(short, bound), "and they were filled up to their bound"
+    if max_step_ms is not None:
+        return
+    # an item priced above the short bound still runs, one a step, never starved
+    costs = {**SYNTHETIC, "encoder_kunits": 2.0, "encoder_items": 2 * short}
+    eng.scheduler.cost_model = StepCostModel(coefficients=costs)
+    eng.add_request("cam2", _frame(25), FEW, priority="batch")
+    sched = eng.scheduler.schedule()
+    assert sched.encoder_work and sched.features.encoder_items == 1
+
+
 def test_encoder_work_is_granted_net_of_its_per_item_cost(tiny_qwen2_vl):
     """A vision work item costs a fixed price on top of its units: the budget pays it before
     granting units, the runner is told it (in units) to charge every item it runs, and the
-    step's prediction holds with the item counted in."""
-    _, eng = _engine(tiny_qwen2_vl, enable_prefix_caching=False, encoder_rows_per_item=16)
+    step's prediction holds with the item counted in. (An explicit step bound: under "auto"
+    encoder-only steps have a shorter one of their own, see the test above.)"""
+    kw = {"enable_prefix_caching": False, "encoder_rows_per_item": 16, "max_step_ms": "50"}
+    _, eng = _engine(tiny_qwen2_vl, **kw)
     per_item, per_kunit = 0.01, 0.05
     costs = {**SYNTHETIC, "encoder_kunits": per_kunit, "encoder_items": per_item}
     eng.scheduler.cost_model = StepCostModel(coefficients=costs)
@@ -299,7 +348,7 @@ def test_encoder_work_is_granted_net_of_its_per_item_cost(tiny_qwen2_vl):
     )
     assert sched.predicted_s <= sched.target_s + 1e-9
     # the same step without the item price would have granted its worth more units
-    fresh = _served(tiny_qwen2_vl, enable_prefix_caching=False, encoder_rows_per_item=16)
+    fresh = _served(tiny_qwen2_vl, **kw)
     fresh.scheduler.cost_model = StepCostModel(coefficients={**costs, "encoder_items": 0.0})
     fresh.add_request("cam", _frame(23), FEW, priority="batch")
     plain = fresh.scheduler.schedule()
@@ -314,6 +363,7 @@ def test_startup_log_states_the_step_policy(tiny_qwen2_vl, caplog):
     lines = [r.getMessage() for r in caplog.records if "step_policy" in r.getMessage()]
     assert len(lines) == 2
     assert "mode=time-sized" in lines[0] and "max_step=auto (" in lines[0]
+    assert "ms; encoder-only steps " in lines[0]
     assert "itl_target=auto (" in lines[0] and "ms/token" in lines[0]
     assert "camera prompt tokens beside one chat stream (another chat's prompt" in lines[0]
     assert "mode=fixed-tokens max_num_batched_tokens=256" in lines[1]
