@@ -401,7 +401,7 @@ class Scheduler:
         defers it (a starved job still gets one work item now and then)."""
         if not self.config.enable_chunked_encoder:
             return math.inf
-        units = budget.encoder_allowance(reserved_tokens)
+        units = budget.encoder_allowance(reserved_tokens, batch=req.priority is Priority.BATCH)
         if units <= 0:
             req.deferred_steps += 1
             if req.deferred_steps > self.config.max_deferred_steps:

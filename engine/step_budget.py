@@ -255,9 +255,11 @@ class StepBudget:
             return per_unit / per_token
         return self.encoder_unit_tokens
 
-    def encoder_allowance(self, reserved_tokens: int = 0) -> float:
+    def encoder_allowance(self, reserved_tokens: int = 0, batch: bool = True) -> float:
         """Encoder units this step may still carry, ``reserved_tokens`` of text kept aside.
-        Under a time limit the item the work runs in is paid for first (its fixed cost)."""
+        Under a time limit the item the work runs in is paid for first (its fixed cost).
+        ``batch`` work in a step without prompt tokens also stops at
+        :meth:`encoder_step_bound_s` (a chat's own image is what its user waits for)."""
         units = max(0, self.tokens_left - reserved_tokens) / self.tokens_per_encoder_unit()
         if self.limit_s is None:
             return units
@@ -266,7 +268,7 @@ class StepBudget:
             return 0.0
         per_item = self.cost_model.seconds_per("encoder_items")
         time_left = self.time_left() - per_item
-        if not self.features.prefill_tokens:  # the text before an image may follow: it fits
+        if batch and not self.features.prefill_tokens:  # text before the image may follow
             # room for an item and as much again of work at least: a per-item price above
             # the short bound would otherwise leave every such step empty (starved)
             left = max(self.encoder_step_bound_s() - self.predicted_s, 2 * per_item)

@@ -319,6 +319,12 @@ def test_encoder_only_steps_stop_at_twice_the_decode_step(tiny_qwen2_vl, max_ste
     assert longest > 0.8 * min(short, bound), "and they were filled up to their bound"
     if max_step_ms is not None:
         return
+    # a chat's own image is not held to it (its user waits for it): the whole step bound
+    budget = eng.scheduler.new_budget()
+    budget.open_prefill(interactive_decoding=False)
+    per_unit = budget._seconds_per_encoder_unit()
+    assert budget.encoder_allowance(batch=True) * per_unit < short
+    assert budget.encoder_allowance(batch=False) * per_unit > short
     # an item priced above the short bound still runs, one a step, never starved
     costs = {**SYNTHETIC, "encoder_kunits": 2.0, "encoder_items": 2 * short}
     eng.scheduler.cost_model = StepCostModel(coefficients=costs)
