@@ -253,7 +253,7 @@ def plan_platform(
         if use_kernels and quantization is None and variant == "native-bf16"
         else (GEMV_ROWS_DEFAULT, 0)
     )
-    gemv_tiles = use_kernels and quantization is None and variant == "native-bf16" and cpu_has_amx()
+    gemv_tiles = amx_attention and quantization is None
     return PlatformPlan(
         device=device,
         dtype=dtype,

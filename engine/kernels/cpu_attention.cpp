@@ -410,11 +410,11 @@ void widen_keys_values(KOf k_of, VOf v_of, int64_t j0, int64_t m, int64_t h, int
 }
 #endif
 
-// attend() compiled for head size D (16 .. 128, step 16); with ``amx`` (the caller checked
-// amx::amx_usable()) on AMX tiles where D is a multiple of 32
+// attend() compiled for head size D (16 .. 128, step 16); with ``amx``, on AMX tiles where
+// the machine grants them and D is a multiple of 32
 void attend_any(const Problem& problem, int64_t D, bool amx = false) {
 #ifdef VS_BF16_DOT
-  if (amx && D % 32 == 0 && !problem.fp32_io) {
+  if (amx && D % 32 == 0 && !problem.fp32_io && amx::amx_usable()) {
     attend_amx(problem, D);
     return;
   }
@@ -581,7 +581,7 @@ at::Tensor attend_packed(const at::Tensor& q_in, const std::vector<at::Tensor>& 
                         reinterpret_cast<const uint32_t*>(kpk.data_ptr<int32_t>()),
                         reinterpret_cast<const uint32_t*>(vpk.data_ptr<int32_t>()),
                         n, m, Hq, Hq / Hk, m - n, m_pad, static_cast<float>(scale), causal};
-  attend_any(problem, D, amx && amx_attention_usable());
+  attend_any(problem, D, amx);
   return out;
 }
 
@@ -630,7 +630,7 @@ void attend_cached_chunk(const bf16* q, int64_t q_stride, bf16* out, int64_t out
   for (int64_t r = 0; r < n; ++r) std::memcpy(qd + r * q_row, q + r * q_stride, q_row * sizeof(bf16));
   const Problem problem{qd, oc.data_ptr(), false, kpk, vpk, n, m, Hq, Hq / Hk, m - n, stride,
                         scale, true};
-  attend_any(problem, D, amx && amx_attention_usable());
+  attend_any(problem, D, amx);
   const bf16* od = oc.data_ptr<bf16>();
   for (int64_t r = 0; r < n; ++r)
     std::memcpy(out + r * out_stride, od + r * q_row, q_row * sizeof(bf16));
