@@ -155,6 +155,8 @@ class AsyncEngine:
             with self._lock:  # the loop may have died while we were preprocessing
                 self._check_alive()
                 self._post("add", (request_id, prompt, params, parsed_priority, deadline_s))
+                if parsed_priority is Priority.INTERACTIVE:
+                    self.engine.step_interrupt.request()  # a batch-only step gives way now
         except BaseException:
             with self._lock:
                 if self._streams.get(request_id) is stream:
@@ -315,6 +317,9 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stopping:
+                # lowered before the drain: a chat queued after it raises the flag again for
+                # the coming step; one queued before it is in that step's view of the engine
+                self.engine.step_interrupt.clear()
                 self._drain_inbox()
                 if not self.engine.has_unfinished():
                     self._stats = self.engine.get_stats()

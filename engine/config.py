@@ -47,6 +47,9 @@ class EngineArgs:
     target_itl_ms: str | None = None  # while interactive requests are active
     max_step_ms: str | None = None  # any step (batch-only work included)
     auto_itl_factor: float = 1.25  # "auto" target = this x the predicted decode-only step
+    # with no interactive work in the engine, a step may run many times the step bound and
+    # stops between decoder layers / vision items when a chat request is queued
+    interruptible_steps: bool = True
     encoder_cache_size: int = 16384  # image embeddings (tokens) kept for reuse
     enable_chunked_encoder: bool = True  # image encoding advanced under the step budget
     # granularity of encoder work (patch rows per item); None: 64 on CPUs with bf16 arithmetic,
@@ -179,6 +182,10 @@ HELP = {
     "max_step_ms": "bound (ms) on a step's predicted time, so an arriving chat request waits "
     "at most one short step (chat prompts while no chat decodes, with nobody to stall, get the "
     "token cap alone); 'auto' (default when sized by time): 4x the decode step, >= 50 ms",
+    "interruptible_steps": "with steps sized by time and no interactive request in the engine, "
+    "let a step run up to the decoder's layer count x --max-step-ms and give it up between "
+    "layers (or vision work items) when a chat request arrives, so camera-only work pays the "
+    "per-step weight read far less often (engine/step_interrupt.py); off: every step short",
     "auto_itl_factor": "with --target-itl-ms auto: target = factor x decode-only step time",
     "encoder_cache_size": "image embeddings (in tokens) kept for reuse",
     "enable_chunked_encoder": "advance image encoding under the step budget (off: whole image)",

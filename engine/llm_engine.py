@@ -33,6 +33,7 @@ from engine.request import Priority, ProcessedPrompt, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.stats import EngineStats
+from engine.step_interrupt import StepInterrupt
 from engine.step_trace import StepTrace
 from engine.structured_output import GrammarCompiler
 
@@ -90,6 +91,10 @@ class LLMEngine:
             gemv_amx_tiles=self.platform.gemv_amx_tiles,
             amx_attention=self.platform.amx_attention,
         )
+        # raised by a front end on another thread when it queues a chat request; lowered by
+        # its step loop before it takes queued requests in (engine/step_interrupt.py)
+        self.step_interrupt = StepInterrupt()
+        self.runner.interrupt = self.step_interrupt
         limits = args.step_limits()
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -105,6 +110,7 @@ class LLMEngine:
                 encoder_unit_tokens=self.model.encoder_unit_tokens(),
                 fused_decode_rows=self.runner.fused_decode_rows,
                 fused_prefill_rows=self.runner.fused_prefill_rows,
+                interrupt_points=self._interrupt_points(args),
             ),
             self.kv,
             self.encoder_cache,
@@ -139,6 +145,13 @@ class LLMEngine:
             limits.max_tokens,
             args.enable_chunked_prefill,
         )
+
+    def _interrupt_points(self, args: EngineArgs) -> int:
+        """Safe points of an interruptible step: the decoder's layers (0: off, or no step
+        bound to multiply; engine/step_interrupt.py)."""
+        if not args.interruptible_steps or not args.time_sized:
+            return 0
+        return len(self.model.layers)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -271,6 +284,7 @@ class LLMEngine:
             sched,
             result.sampled if result else {},
             result.encoder_progress if result else None,
+            interrupted=result is not None and result.interrupted,
         )
         if result is not None and result.logprobs:
             for req, _ in progressed:
@@ -352,7 +366,10 @@ class LLMEngine:
             sched.features.encoder_units = result.encoder_units  # what actually ran
             sched.features.encoder_items = result.encoder_items
             encoder_s = result.encoder_work_s
-        self.scheduler.cost_model.observe(sched.features, elapsed, encoder_s)
+        if result is not None and result.interrupted:
+            s.num_interrupted_steps += 1  # its time is no price of what it was sized for
+        else:
+            self.scheduler.cost_model.observe(sched.features, elapsed, encoder_s)
         if self.step_trace is not None:
             self.step_trace.record(sched, result, elapsed, cpu_s)
         s.num_steps += 1
@@ -362,8 +379,9 @@ class LLMEngine:
         s.last_step_prefill_tokens = sched.num_prefill_tokens
         s.last_step_decode_tokens = sched.num_decode_tokens
         s.last_step_encoder_s = result.encode_s if result else 0.0
-        s.total_prefill_tokens_computed += sched.num_prefill_tokens
-        s.record_step_tokens(sched.num_prefill_tokens + sched.num_decode_tokens)
+        if result is None or not result.interrupted:
+            s.total_prefill_tokens_computed += sched.num_prefill_tokens
+            s.record_step_tokens(sched.num_prefill_tokens + sched.num_decode_tokens)
 
     def close(self) -> None:
         """Release what the engine holds open beyond memory (the step trace's file)."""

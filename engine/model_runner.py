@@ -21,6 +21,7 @@ from engine.layers.attention import build_attention_metadata, padded_block_table
 from engine.outputs import TokenLogprob
 from engine.sampler import sample
 from engine.scheduler import ScheduledChunk, SchedulerOutput
+from engine.step_interrupt import StepInterrupt, StepInterrupted
 from engine.structured_output import BitmaskApplier
 
 log = logging.getLogger("engine.runner")
@@ -61,6 +62,9 @@ class StepResult:
     # seconds in those items alone, what their prices are fitted on: a new job's set-up
     # (tens of MB of buffers for a frame) is no item's cost
     encoder_work_s: float = 0.0
+    # given up for an arriving chat request (engine/step_interrupt.py): no chunk advanced,
+    # nothing sampled; the encoder work above was done and counts
+    interrupted: bool = False
 
 
 class ModelRunner:
@@ -87,6 +91,9 @@ class ModelRunner:
         self.weight_prefetch_bytes = weight_prefetch_bytes
         self.gemv_amx_tiles = gemv_amx_tiles
         self.amx_attention = amx_attention  # prompt chunks' attention in the fused kernel too
+        # raised by the engine's front end when a chat request is queued: interruptible steps
+        # stop at their next safe point (None: no step ever stops early)
+        self.interrupt: StepInterrupt | None = None
         self.encoder_rows_per_item = encoder_rows_per_item
         # set by leave_a_core_to_the_front_end (the server's AsyncEngine); None: every thread
         self.encoder_threads_beside_chat: int | None = None
@@ -225,16 +232,24 @@ class ModelRunner:
     def _execute(self, sched: SchedulerOutput) -> StepResult:
         self.drop_encodings(sched.evicted_encoder_hashes)
         self.forget_requests(sched.preempted_ids)
+        interrupt = self.interrupt if sched.interruptible else None
         t0 = time.perf_counter()
-        units, items, work_s, progress = self._encode(sched)
+        units, items, work_s, progress = self._encode(sched, interrupt)
         t1 = time.perf_counter()
         sampled: dict[str, int] = {}
         self._step_logprobs = {}
-        if sched.chunks:
-            sampled = self._forward_and_sample(sched)
-            self.forget_requests(
-                [c.request_id for c in sched.chunks if c.sample and not c.is_decode]
-            )
+        # raised during the encoding (which then stopped), or before the forward: the chunks
+        # may need what the encoding did not finish
+        interrupted = interrupt is not None and interrupt.requested()
+        if sched.chunks and not interrupted:
+            try:
+                sampled = self._forward_and_sample(sched, interrupt)
+            except StepInterrupted:
+                interrupted, sampled, self._step_logprobs = True, {}, {}
+            else:
+                self.forget_requests(
+                    [c.request_id for c in sched.chunks if c.sample and not c.is_decode]
+                )
         t2 = time.perf_counter()
         return StepResult(
             sampled,
@@ -245,10 +260,15 @@ class ModelRunner:
             self._step_logprobs,
             encoder_items=items,
             encoder_work_s=work_s,
+            interrupted=interrupted,
         )
 
-    def _encode(self, sched: SchedulerOutput) -> tuple[float, int, float, dict[str, float]]:
-        """Start new encoding jobs and advance each by the work the scheduler granted."""
+    def _encode(
+        self, sched: SchedulerOutput, interrupt: StepInterrupt | None = None
+    ) -> tuple[float, int, float, dict[str, float]]:
+        """Start new encoding jobs and advance each by the work the scheduler granted (up to
+        ``interrupt``, checked between items: the jobs start whatever happens, as the
+        scheduler counts them started)."""
         for job in sched.encoder_jobs:
             grid = torch.tensor([job.grid_thw], dtype=torch.long)
             if self.model.vision_impl == "hf":  # the transformers tower: whole image, now
@@ -265,7 +285,11 @@ class ModelRunner:
                 continue
             before, t0 = job.items_run, time.perf_counter()
             with self._encoder_threads(sched):
-                spent += job.advance(units, sched.encoder_item_overhead)
+                spent += job.advance(
+                    units,
+                    sched.encoder_item_overhead,
+                    stop=interrupt.requested if interrupt is not None else None,
+                )
             work_s += time.perf_counter() - t0
             items += job.items_run - before
             if job.done():
@@ -296,11 +320,15 @@ class ModelRunner:
         finally:
             torch.set_num_threads(before)
 
-    def _forward_and_sample(self, sched: SchedulerOutput) -> dict[str, int]:
+    def _forward_and_sample(
+        self, sched: SchedulerOutput, interrupt: StepInterrupt | None = None
+    ) -> dict[str, int]:
+        """``interrupt``: checked between decoder layers of the eager forward, which an
+        interruptible step's prompt rows always run (the fused kernel has no safe point)."""
         chunks = sched.chunks
         if self._fused_decode_applies(chunks):
             return self._sample(self._fused_decode_logits(chunks), chunks)
-        if self._fused_prefill_applies(chunks):
+        if interrupt is None and self._fused_prefill_applies(chunks):
             logits, sampled_chunks = self._fused_step_logits(chunks)
             return self._sample(logits, sampled_chunks) if sampled_chunks else {}
         positions = torch.cat([c.position_ids() for c in chunks], dim=1)
@@ -313,7 +341,13 @@ class ModelRunner:
             self.device,
             native_decode=self._native_attention,
         )
-        hidden = self.model(hidden, positions.to(self.device), self.kv_caches, meta)
+        hidden = self.model(
+            hidden,
+            positions.to(self.device),
+            self.kv_caches,
+            meta,
+            between_layers=interrupt.check if interrupt is not None else None,
+        )
 
         sample_rows, sampled_chunks = _sampled_rows(chunks)
         if not sample_rows:

@@ -92,6 +92,9 @@ class SchedulerOutput:
     # (the runner then leaves a CPU core to that front end while it encodes images)
     interactive_decodes: bool = False
     held_decodes: int = 0  # batch decodes held out of an encoder-only step (_hold_batch_decodes)
+    # no interactive work in the engine: the runner may give the step up at its safe points
+    # when a chat request is queued (engine/step_interrupt.py); its prompt rows run eager
+    interruptible: bool = False
 
     @property
     def num_decode_tokens(self) -> int:
@@ -129,6 +132,8 @@ class SchedulerConfig:
     fused_decode_rows: int = 0
     # steps with prompt tokens run it too, up to this many rows in all (0: never)
     fused_prefill_rows: int = 0
+    # safe points of an interruptible step (StepLimits.interrupt_points); 0: none is
+    interrupt_points: int = 0
 
     @property
     def limits(self) -> StepLimits:
@@ -137,6 +142,7 @@ class SchedulerConfig:
             target_itl_s=self.target_itl_s,
             max_step_s=self.max_step_s,
             auto_itl_factor=self.auto_target_factor,
+            interrupt_points=self.interrupt_points,
         )
 
 
@@ -229,9 +235,11 @@ class Scheduler:
         candidates = [r for r in self.running if r.is_prefill and r.request_id not in scheduled]
         candidates += self.waiting
         interactive_prompts = any(r.priority is Priority.INTERACTIVE for r in candidates)
-        budget.open_prefill(interactive_decoding, interactive_prompts)
         interactive_active = interactive_decoding or any(
             r.priority is Priority.INTERACTIVE for r in self.running + self.waiting
+        )
+        budget.open_prefill(
+            interactive_decoding, interactive_prompts, interruptible=not interactive_active
         )
         prefill_scheduled = False
         prefill_tokens = 0
@@ -282,6 +290,11 @@ class Scheduler:
         # jobs of encodings that expired or aborted requests left half done: dropped before
         # this step's new jobs start (one may be the same image, encoded afresh)
         out.evicted_encoder_hashes.extend(self.encoder_cache.take_abandoned())
+        # interruptible only where there is something to give up: prompt rows (run eager, with
+        # safe points between layers) or encoder work (between items)
+        out.interruptible = budget.interruptible and bool(prefill_tokens or out.encoder_work)
+        if not prefill_tokens:
+            budget.features.force_eager = False  # no prompt rows: decodes run as they always do
         out.features = budget.features
         out.target_s = budget.limit_s
         out.interactive_decodes = interactive_decoding
@@ -517,8 +530,13 @@ class Scheduler:
         out: SchedulerOutput,
         sampled: dict[str, int],
         encoder_progress: dict[str, float] | None = None,
+        interrupted: bool = False,
     ) -> tuple[list[tuple[Request, list[int]]], list[Request]]:
         """Advance computed counts, append sampled tokens, stop finished requests.
+
+        ``interrupted``: the runner gave the step up (engine/step_interrupt.py) before its
+        decoder forward finished: only the encoder work it did counts; every chunk runs again
+        from the same position (its blocks stay allocated).
 
         Returns (requests that got a new token, with it) and the requests finished this step.
         """
@@ -527,7 +545,7 @@ class Scheduler:
             self.encoder_cache.update_progress(encoder_progress)
         progressed: list[tuple[Request, list[int]]] = []
         finished: list[Request] = list(out.expired)
-        for chunk in out.chunks:
+        for chunk in [] if interrupted else out.chunks:
             req = self.requests.get(chunk.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran

@@ -48,6 +48,8 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found (not recomputed)
     num_steps: int = 0
+    # steps given up for an arriving chat request (engine/step_interrupt.py)
+    num_interrupted_steps: int = 0
     last_step_time_s: float = 0.0
     max_step_time_s: float = 0.0  # the longest step so far: the worst stall any stream saw
     last_step_prefill_tokens: int = 0

@@ -57,6 +57,10 @@ class StepLimits:
     # decode step (floor: min_encoder_step_s), see StepBudget.encoder_allowance
     encoder_only_factor: float = 2.0
     min_encoder_step_s: float = 0.01
+    # safe points where a step with no interactive work in the engine can stop for a chat
+    # request that arrives (the decoder's layers, engine/step_interrupt.py); such a step may
+    # run this many step bounds, so a layer of it takes about one. 0: no step is interruptible
+    interrupt_points: int = 0
 
     @property
     def time_sized(self) -> bool:
@@ -85,6 +89,7 @@ class StepBudget:
         )
         self.limit_s: float | None = None  # set by open_prefill
         self.itl_target_s: float | None = None
+        self.interruptible = False  # set by open_prefill
 
     # ---- decodes ------------------------------------------------------------------------------
     def add_decode(self, context_len: int) -> bool:
@@ -104,10 +109,22 @@ class StepBudget:
         self.features.attention_units -= context_len
 
     # ---- the time limit -----------------------------------------------------------------------
-    def open_prefill(self, interactive_decoding: bool, interactive_prompts: bool = False) -> None:
+    def open_prefill(
+        self,
+        interactive_decoding: bool,
+        interactive_prompts: bool = False,
+        interruptible: bool = False,
+    ) -> None:
         """Fix the time limit for prompt work once the decodes are in: the step bound (batch
         work gets the ITL target on top, :meth:`restrict_to_itl`). Limits need a fitted cost
         model.
+
+        ``interruptible``: no interactive request is in the engine at all. With
+        ``interrupt_points`` the step may then run that many step bounds
+        (:meth:`interruptible_bound_s`) and is priced as the eager forward it will run (the
+        one with safe points between layers, engine/step_interrupt.py): a chat that arrives
+        meanwhile waits about one layer, one step bound, as under short steps, and camera
+        prompts pay the per-step weight read once per several hundred tokens, not per ~100.
 
         Interactive prompts with no interactive stream decoding (``interactive_prompts`` and
         not ``interactive_decoding``) get no time limit, only the token cap: there is nobody
@@ -134,7 +151,11 @@ class StepBudget:
             self.limits.target_itl_s, self.limits.auto_itl_factor, floor=0.0
         )
         bound = self.step_bound_s()
-        if bound is None:
+        if interruptible and bound is not None and self.limits.interrupt_points > 0:
+            self.interruptible = True
+            self.limit_s = self.interruptible_bound_s()
+            self.features.force_eager = True
+        elif bound is None:
             self.limit_s = self.itl_target_s if interactive_decoding else None
         elif not interactive_decoding and interactive_prompts:
             self.limit_s = None
@@ -148,6 +169,14 @@ class StepBudget:
         return self._resolve(
             self.limits.max_step_s, self.limits.auto_step_factor, self.limits.min_auto_step_s
         )
+
+    def interruptible_bound_s(self) -> float | None:
+        """The bound on an interruptible step's predicted time: ``interrupt_points`` step
+        bounds (None: no step bound, or no safe points)."""
+        bound = self.step_bound_s()
+        if bound is None or self.limits.interrupt_points <= 0:
+            return None
+        return bound * self.limits.interrupt_points
 
     def restrict_to_itl(self) -> None:
         """Batch work in a step while interactive work is active gets the ITL target at most:
@@ -232,7 +261,7 @@ class StepBudget:
         last row a step pays the eager path's floor, which a few more tokens rarely repay."""
         f = self.features
         spare = f.fused_prefill_rows - f.prefill_tokens - f.decode_tokens
-        if not f.fused_decode_rows or spare <= 0 or k <= spare:
+        if not f.fused_decode_rows or f.force_eager or spare <= 0 or k <= spare:
             return k
         base = self.predicted_s
         gain_fused = cost(spare) - base
@@ -268,7 +297,8 @@ class StepBudget:
             return 0.0
         per_item = self.cost_model.seconds_per("encoder_items")
         time_left = self.time_left() - per_item
-        if batch and not self.features.prefill_tokens:  # text before the image may follow
+        if batch and not self.features.prefill_tokens and not self.interruptible:
+            # text before the image may follow; an interruptible step stops between items
             # room for an item and as much again of work at least: a per-item price above
             # the short bound would otherwise leave every such step empty (starved)
             left = max(self.encoder_step_bound_s() - self.predicted_s, 2 * per_item)

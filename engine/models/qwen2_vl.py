@@ -9,7 +9,7 @@ tensor name from safetensors, accepting both the original hub layout (``model.la
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -167,11 +167,18 @@ class Qwen2VLModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        between_layers: Callable[[], None] | None = None,
     ) -> torch.Tensor:
-        """hidden: [T, hidden] input embeddings; positions: [3, T]. Returns final-norm states."""
+        """hidden: [T, hidden] input embeddings; positions: [3, T]. Returns final-norm states.
+
+        ``between_layers`` runs after each layer but the last: an interruptible step's safe
+        point (engine/step_interrupt.py), which raises to give the step up."""
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             hidden = layer(hidden, cos, sin, kv_cache, meta)
+            if between_layers is not None and i < last:
+                between_layers()
         return self.norm(hidden)
 
     def set_cpu_kernels(self, kernels) -> None:

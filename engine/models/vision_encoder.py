@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -445,7 +446,12 @@ class VisionEncodeJob:
         return self.cursor == len(self.items)
 
     @torch.inference_mode()
-    def advance(self, max_cost: float, item_overhead: float = 0.0) -> float:
+    def advance(
+        self,
+        max_cost: float,
+        item_overhead: float = 0.0,
+        stop: Callable[[], bool] | None = None,
+    ) -> float:
         """Run items while they fit in ``max_cost``; the first always runs, so progress is sure,
         cut down to what fits (``MIN_SPLIT_ROWS`` rows at least) when it alone would not.
 
@@ -457,6 +463,10 @@ class VisionEncodeJob:
         A budget that covers the remaining cost finishes the job whatever the overhead: the
         scheduler lets a prompt chunk reach the image's tokens in the same step on that
         promise.
+
+        ``stop``, when given, is asked before each item: True ends the advance there (an
+        interruptible step giving way to a chat request, engine/step_interrupt.py), even
+        before the first item.
 
         Returns the cost spent (items' FLOP costs, without the overhead), which exceeds
         ``max_cost`` only by that minimal first piece.
@@ -470,6 +480,8 @@ class VisionEncodeJob:
         while not self.done():
             item = self.items[self.cursor]
             if charged > 0 and charged + item.cost + item_overhead > max_cost:
+                break
+            if stop is not None and stop():
                 break
             self._run(item)
             self.cursor += 1

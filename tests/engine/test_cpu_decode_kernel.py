@@ -355,11 +355,11 @@ class _LogitsPairs:
         logits, sampled = runner._fused_step_logits(chunks)
         return logits if sampled else None
 
-    def _both(self, sched):
+    def _both(self, sched, interrupt=None):
         runner = self.runner
         fused = self._fused(sched.chunks)
         if fused is None:
-            return self._forward(sched)
+            return self._forward(sched, interrupt)
         seen: list[torch.Tensor] = []
 
         def keep(logits, chunks):

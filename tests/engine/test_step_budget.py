@@ -87,7 +87,10 @@ def test_the_offline_llm_sizes_steps_by_tokens_alone(tiny_qwen2_vl):
 
 
 def test_batch_only_steps_stay_under_the_step_bound(tiny_qwen2_vl):
-    _, eng = _engine(tiny_qwen2_vl, max_step_ms="30", enable_prefix_caching=False)
+    """Without interruptible steps (on by default: tests/engine/test_step_interrupt.py)."""
+    _, eng = _engine(
+        tiny_qwen2_vl, max_step_ms="30", enable_prefix_caching=False, interruptible_steps=False
+    )
     alone = LLM(str(tiny_qwen2_vl), dtype="float32", max_num_batched_tokens=4096)
     expected = alone.chat(_frame(7), FEW)[0].outputs[0].token_ids
     eng.add_request("cam", _frame(7), FEW, priority="batch")
@@ -187,8 +190,11 @@ def test_chat_prompts_sent_together_share_one_step_while_no_chat_decodes(tiny_qw
     one step past the step bound (a chat arriving meanwhile waits behind them whatever the
     step size), camera work in that step waits; once chats decode, a new chat's prompt is
     chunked beside them again. Eight chats at once cost 13.5 % of a fixed budget's
-    throughput when the bound chunked them (``benchmarks.default_cost``)."""
-    _, eng = _engine(tiny_qwen2_vl, max_step_ms="30", enable_prefix_caching=False)
+    throughput when the bound chunked them (``benchmarks.default_cost``). Short batch steps
+    (interruptible ones would prefill the camera prompt whole before the chats arrive)."""
+    _, eng = _engine(
+        tiny_qwen2_vl, max_step_ms="30", enable_prefix_caching=False, interruptible_steps=False
+    )
     model = eng.scheduler.cost_model
     eng.add_request("cam", text_conv("frame " * 60), FEW, priority="batch")
     _run(eng, eng.scheduler.schedule())
@@ -214,8 +220,11 @@ def test_chat_prompts_sent_together_share_one_step_while_no_chat_decodes(tiny_qw
 
 
 def _frames_queued(checkpoint, max_deferred_steps: int = 16):
-    """Two camera frames queued at once, the tower priced so that an encode spans steps."""
-    _, eng = _engine(checkpoint, max_step_ms="30", enable_prefix_caching=False)
+    """Two camera frames queued at once, the tower priced so that an encode spans steps
+    (short steps: an interruptible one would encode b beside a's prompt)."""
+    _, eng = _engine(
+        checkpoint, max_step_ms="30", enable_prefix_caching=False, interruptible_steps=False
+    )
     eng.scheduler.cost_model = StepCostModel(coefficients={**SYNTHETIC, "encoder_kunits": 0.05})
     eng.scheduler.config.max_deferred_steps = max_deferred_steps
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -292,9 +301,16 @@ def test_encoder_only_steps_stop_at_twice_the_decode_step(tiny_qwen2_vl, max_ste
     encoder-only steps stop at ``encoder_only_factor`` x the decode step (a chat arriving
     while cameras run waits behind one of those most of the time), its prompt steps keep the
     whole bound (each re-reads the decoder's weights). An explicit --max-step-ms bounds both
-    alike."""
+    alike. (Steps that cannot be interrupted: with chat in the engine, or the option off;
+    interruptible ones stop between items instead, tests/engine/test_step_interrupt.py.)"""
     kw = {} if max_step_ms is None else {"max_step_ms": max_step_ms}
-    _, eng = _engine(tiny_qwen2_vl, enable_prefix_caching=False, encoder_rows_per_item=16, **kw)
+    _, eng = _engine(
+        tiny_qwen2_vl,
+        enable_prefix_caching=False,
+        encoder_rows_per_item=16,
+        interruptible_steps=False,
+        **kw,
+    )
     eng.scheduler.cost_model = StepCostModel(coefficients={**SYNTHETIC, "encoder_kunits": 2.0})
     eng.add_request("cam", _frame(24), FEW, priority="batch")
     budget = eng.scheduler.new_budget()
