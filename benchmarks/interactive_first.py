@@ -5,10 +5,15 @@
    batch``) are in flight; the median TTFT ratio (target <= 1.5x).
 2. **Frames alone**: the same number of fresh frames at once, nothing else: frames per minute.
 3. **Frames under chat load**: ``--num-chat`` continuous chat streams plus those frames. The
-   ideal share is frames/min alone x the share of step time chat leaves, taken as
-   ``1 - chat ITL p50 alone / chat ITL p50 under load`` (a chat step that stretches from d to
-   T leaves T - d to camera work; "alone": the same streams for ``--chat-alone-s`` before and
-   after this phase, averaged); reported as measured / ideal (target >= 90 %).
+   ideal share is frames/min alone x the share of time chat leaves, reported as measured /
+   ideal (target >= 90 %). The share is read from the server's step trace: chat takes, of
+   each step in the phase, what the engine's cost model predicts for its interactive decodes
+   alone (``chat_decode_s``, fitted on this machine in this minute), and the time between
+   steps (its tokens streamed by the front end); the rest of the steps' time is the camera's.
+   Also shown, as before: ``1 - chat ITL p50 alone / under load`` ("alone": the same
+   streams for ``--chat-alone-s`` before and after the phase), which a
+   shared machine moves more than camera work moves the loaded ITL (three session-23 runs
+   read a share of 0 or below).
 
     python -m benchmarks.interactive_first [--mode default] [--dtype auto]
 
@@ -19,8 +24,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import shlex
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 from benchmarks.common import bench_checkpoint, log, save_json, setup_env
 from benchmarks.serve_mixed import (
@@ -110,9 +119,9 @@ async def frames_phase(d: Driver, num_chat: int) -> dict:
     streams = [asyncio.create_task(stream(i)) for i in range(num_chat)]
     if streams:
         await asyncio.sleep(args.warmup_s)
-    t = time.monotonic()
+    t, wall0 = time.monotonic(), time.time()
     await asyncio.gather(*d.camera_tasks(args.frames))
-    seconds = time.monotonic() - t
+    seconds, wall1 = time.monotonic() - t, time.time()
     stop.set()
     await asyncio.gather(*streams)
     itls = [g for r in chats for g in r.itls]
@@ -121,6 +130,30 @@ async def frames_phase(d: Driver, num_chat: int) -> dict:
         "seconds": seconds,
         "frames_per_min": 60 * args.frames / seconds,
         "chat_itl_p50_s": statistics.median(itls) if itls else None,
+        "wall_window": [wall0, wall1],
+    }
+
+
+def chat_share_from_trace(trace: Path, window: list[float]) -> dict:
+    """The share of ``window`` (wall clock) chat leaves to camera work, from the step trace:
+    each step's time past its predicted interactive-decode time, over the window's length.
+    Time between steps (the front end streaming chat tokens, on the same cores) is chat's."""
+    t0, t1 = window
+    chat_s = step_s = 0.0
+    steps = 0
+    for line in trace.read_text().splitlines():
+        rec = json.loads(line)
+        if t0 <= rec["at"] <= t1:
+            steps += 1
+            step_s += rec["step_s"]
+            chat_s += min(rec.get("chat_decode_s") or 0.0, rec["step_s"])
+    wall = t1 - t0
+    return {
+        "steps": steps,
+        "wall_s": wall,
+        "step_s": step_s,
+        "chat_decode_s": chat_s,
+        "share_left": max(0.0, step_s - chat_s) / wall,
     }
 
 
@@ -189,28 +222,41 @@ def main() -> None:
 
     model = bench_checkpoint(args.family, args.model)
     port = free_port()
-    cmd, _ = server_command(args.mode, model, port, args)
-    with running_server(cmd, port):
-        res = asyncio.run(run(f"http://127.0.0.1:{port}/v1", args))
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "steps.jsonl"
+        if "--step-trace" in args.server_args:
+            trace = Path(shlex.split(args.server_args.split("--step-trace", 1)[1])[0])
+        else:
+            args.server_args = f"{args.server_args} --step-trace {trace}".strip()
+        cmd, _ = server_command(args.mode, model, port, args)
+        with running_server(cmd, port):
+            res = asyncio.run(run(f"http://127.0.0.1:{port}/v1", args))
+        traced = chat_share_from_trace(trace, res["frames_under_chat"]["wall_window"])
     alone, loaded = res["ttft_alone"]["ttft_p50_s"], res["ttft_with_frames"]["ttft_p50_s"]
     res["ttft_ratio"] = loaded / alone
     chat_alone = statistics.mean(
         res[k]["chat_itl_p50_s"] for k in ("chat_alone", "chat_alone_after")
     )
     chat_loaded = res["frames_under_chat"]["chat_itl_p50_s"]
-    share_left = max(0.0, 1 - chat_alone / chat_loaded) if chat_loaded else 0.0
-    ideal = res["frames_alone"]["frames_per_min"] * share_left
-    res["camera_share_left"] = share_left
+    itl_share = max(0.0, 1 - chat_alone / chat_loaded) if chat_loaded else 0.0
+    alone_fpm, loaded_fpm = (
+        res[k]["frames_per_min"] for k in ("frames_alone", "frames_under_chat")
+    )
+    ideal = alone_fpm * traced["share_left"]
+    res["camera_share_left"] = traced
     res["ideal_frames_per_min_under_chat"] = ideal
-    res["camera_efficiency"] = res["frames_under_chat"]["frames_per_min"] / ideal if ideal else None
+    res["camera_efficiency"] = loaded_fpm / ideal if ideal else None
+    res["itl_share_left"] = itl_share
+    res["itl_camera_efficiency"] = loaded_fpm / (alone_fpm * itl_share) if itl_share else None
     res["args"] = vars(args)
     log(
         f"{args.mode}: chat TTFT p50 alone {alone * 1e3:.0f} ms, with {args.frames} frames in "
         f"flight {loaded * 1e3:.0f} ms ({res['ttft_ratio']:.2f}x); frames/min alone "
-        f"{res['frames_alone']['frames_per_min']:.2f}, under {args.num_chat} chat streams "
-        f"{res['frames_under_chat']['frames_per_min']:.2f} (ideal {ideal:.2f}, share left "
-        f"{share_left:.2f}, efficiency "
-        f"{(res['camera_efficiency'] or 0) * 100:.0f} %)"
+        f"{alone_fpm:.2f}, under {args.num_chat} chat streams {loaded_fpm:.2f} (ideal "
+        f"{ideal:.2f}: share left {traced['share_left']:.3f} over {traced['steps']} traced "
+        f"steps; efficiency {(res['camera_efficiency'] or 0) * 100:.0f} %; by ITL alone/loaded "
+        f"the share is {itl_share:.3f}, efficiency "
+        f"{(res['itl_camera_efficiency'] or 0) * 100:.0f} %)"
     )
     save_json(args.out, res)
 

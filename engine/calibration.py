@@ -366,6 +366,7 @@ def log_step_policy(scheduler: Scheduler, args: EngineArgs) -> None:
     batch_only.open_prefill(interactive_decoding=False)
     bound = batch_only.step_bound_s()
     encoder_bound = batch_only.encoder_step_bound_s()
+    long_bound = batch_only.interruptible_bound_s()
     log.info(
         "step_policy mode=time-sized token_cap=%d itl_target=%s (%s ms with one chat stream) "
         "max_step=%s (%s ms; encoder-only steps %s ms) decode_step=%.1f ms (eager forward "
@@ -373,7 +374,8 @@ def log_step_policy(scheduler: Scheduler, args: EngineArgs) -> None:
         "%d decode-only, %d with prompt tokens) prefill=%.2f ms/token => ~%d camera prompt "
         "tokens beside one chat stream (another chat's prompt ~%d), up to ~%d per batch-only "
         "step; why: an arriving chat request waits at most one step, and chat streams keep "
-        "their ITL while camera work fills what they leave",
+        "their ITL while camera work fills what they leave; with no chat in the engine, "
+        "interruptible steps up to %s ms (given up between layers for an arriving chat)",
         cfg.max_num_batched_tokens,
         "off" if limits.target_itl_s is None else limits.target_itl_s,
         "-" if budget.itl_target_s is None else f"{budget.itl_target_s * 1e3:.1f}",
@@ -388,4 +390,5 @@ def log_step_policy(scheduler: Scheduler, args: EngineArgs) -> None:
         beside_chat,
         chat_prompt,
         batch_only.fit_chunk(0, cfg.max_num_batched_tokens),
+        "off" if long_bound is None else f"{long_bound * 1e3:.0f}",
     )

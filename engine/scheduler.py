@@ -95,6 +95,10 @@ class SchedulerOutput:
     # no interactive work in the engine: the runner may give the step up at its safe points
     # when a chat request is queued (engine/step_interrupt.py); its prompt rows run eager
     interruptible: bool = False
+    # predicted seconds of a step with the interactive decodes alone: the part of the step
+    # chat would take without camera work (the step trace's share measure; None: none, or no
+    # fitted cost model)
+    chat_decode_s: float | None = None
 
     @property
     def num_decode_tokens(self) -> int:
@@ -215,6 +219,7 @@ class Scheduler:
 
         # 1. decodes, one token each, best class first
         interactive_decoding = False
+        chat_contexts: list[int] = []
         for req in sorted((r for r in self.running if not r.is_prefill), key=_rank):
             if budget.tokens_left < 1:
                 break
@@ -225,7 +230,9 @@ class Scheduler:
             budget.add_decode(req.num_computed_tokens + 1)
             self._emit(req, 1, out, now)
             scheduled.add(req.request_id)
-            interactive_decoding |= req.priority is Priority.INTERACTIVE
+            if req.priority is Priority.INTERACTIVE:
+                interactive_decoding = True
+                chat_contexts.append(req.num_computed_tokens + 1)
 
         # 2. prompt chunks: running part-done prompts and waiting requests, best class first;
         #    a waiting interactive request outranks a half-done batch prefill. The time limit
@@ -298,6 +305,7 @@ class Scheduler:
         out.features = budget.features
         out.target_s = budget.limit_s
         out.interactive_decodes = interactive_decoding
+        out.chat_decode_s = budget.decode_only_s(chat_contexts)
         if budget.limit_s is not None:
             out.predicted_s = budget.predicted_s
             out.encoder_item_overhead = budget.encoder_item_overhead()

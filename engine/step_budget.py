@@ -200,6 +200,21 @@ class StepBudget:
         priced = dataclasses.replace(decodes, force_eager=not mixed_fused)
         return max(floor, factor * self.cost_model.predict(priced))
 
+    def decode_only_s(self, context_lens: list[int]) -> float | None:
+        """Predicted seconds of a step running only decodes at these context lengths, as this
+        engine would run it (fused kernel or eager); None without decodes or a fitted model."""
+        if not context_lens or not self.cost_model.ready:
+            return None
+        f = self.features
+        return self.cost_model.predict(
+            StepFeatures(
+                decode_tokens=len(context_lens),
+                attention_units=float(sum(context_lens)),
+                fused_decode_rows=f.fused_decode_rows,
+                fused_prefill_rows=f.fused_prefill_rows,
+            )
+        )
+
     @property
     def predicted_s(self) -> float:
         return self.cost_model.predict(self.features)

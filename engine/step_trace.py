@@ -15,8 +15,9 @@ step bound; None under a plain token budget) from the budget, ``decodes`` / ``pr
 ``held_decodes`` (batch decodes held out of an encoder-only step), ``encoder_grant`` (units
 granted), ``encoder_units`` / ``encoder_items`` / ``encoder_s`` (what ran and its own time),
 ``item_overhead`` (units charged per item), ``forward_s`` (the language model's forward and
-sampling), ``interruptible`` / ``interrupted`` (a batch-only step that may give way to a chat
-request, and whether it did: engine/step_interrupt.py).
+sampling), ``chat_decode_s`` (predicted time of the step's interactive decodes alone: what chat
+would take of it without camera work), ``interruptible`` / ``interrupted`` (a batch-only step
+that may give way to a chat request, and whether it did: engine/step_interrupt.py).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class StepTrace:
             "encoder_items": result.encoder_items if result else 0,
             "encoder_s": result.encoder_work_s if result else 0.0,
             "forward_s": result.forward_s if result else 0.0,
+            "chat_decode_s": sched.chat_decode_s,
             "interruptible": sched.interruptible,
             "interrupted": bool(result and result.interrupted),
         }
