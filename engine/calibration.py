@@ -58,7 +58,7 @@ ENCODER_GRID = (1, 32, 32)
 # of the image's work per step: from the few rows a step beside chat gets to several items, so
 # the fit can tell the per-item cost from the per-unit one
 ENCODER_FRACTIONS = (1 / 128, 1 / 64, 1 / 32, 1 / 16, 1 / 8)
-CACHE_VERSION = 5  # bump when what a calibration measures changes
+CACHE_VERSION = 6  # bump when what a calibration measures changes
 
 
 class _Calibrator:
@@ -104,6 +104,7 @@ class _Calibrator:
         features = StepFeatures(
             fused_decode_rows=self.runner.fused_decode_rows,
             fused_prefill_rows=self.runner.fused_prefill_rows,
+            gemv_rows=self.runner.fused_gemv_rows,
         )
         for c in sched.chunks:
             if c.is_decode:
@@ -164,6 +165,7 @@ class _Calibrator:
         features = StepFeatures(
             fused_decode_rows=self.runner.fused_decode_rows,
             fused_prefill_rows=self.runner.fused_prefill_rows,
+            gemv_rows=self.runner.fused_gemv_rows,
         )
         for c in sched.chunks:
             features.decode_tokens += 1
@@ -359,7 +361,7 @@ def log_step_policy(scheduler: Scheduler, args: EngineArgs) -> None:
     decode_s = budget.predicted_s
     eager_s = scheduler.cost_model.predict(dataclasses.replace(budget.features, force_eager=True))
     budget.open_prefill(interactive_decoding=True)
-    chat_prompt = budget.fit_chunk(CONTEXT, cfg.max_num_batched_tokens)
+    chat_prompt = budget.fit_chunk(CONTEXT, cfg.max_num_batched_tokens, interactive=True)
     budget.restrict_to_itl()  # what a camera prompt gets beside the same stream
     beside_chat = budget.fit_chunk(CONTEXT, cfg.max_num_batched_tokens)
     batch_only = scheduler.new_budget()

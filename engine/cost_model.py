@@ -2,7 +2,8 @@
 
     step_s ≈ fixed + l·lm_forward + a·prefill_tokens + b·decode_tokens
              + Σ_k h_k·max(0, rows − k) + c·attention_units + d·encoder_units
-             + i·encoder_items + m·mixed_step + p·mixed_prefill_tokens
+             + i·encoder_items + e·eager_forward + g·past_gemv + m·mixed_step
+             + p·mixed_prefill_tokens
 
 ``rows`` are all new tokens of the step (decode and prefill): the weights are read once per
 step whatever the row count, so up to the machine's ridge point (a few rows on a CPU, hundreds
@@ -23,6 +24,15 @@ kernel takes, or with prompt tokens and more rows in all than the kernel's GEMV 
 (``fused_prefill_rows``), pays the eager path's per-op overhead (and, in bf16 on CPUs without
 bf16 arithmetic, the widening of every weight) that a fused step does not. Without the kernel
 it is always 0.
+
+``past_gemv`` is 1 for a step the fused kernel runs with more rows than its own GEMV takes
+(``gemv_rows``, engine/platform.py): past them its linears call oneDNN's packed GEMM, whose
+small-row floor is a jump, not a slope. On a 2-core AMX Xeon (bench, bf16, in turns) 4 chat
+decodes plus 12 prompt rows ran 22.6 ms and plus 13 ran 32.8 (decodes alone 14.3). No hinge
+can price a jump: without the feature the fit spread it over the mixed-step prices, which
+then starved every small chunk beside chat (a 1-token chunk predicted 28 ms against 23), and
+the starved prompts went in forced 16-token blocks that paid the jump every time (51 ms
+steps against a 33 ms target, prompt tokens at 1.4 ms each against 0.3 alone).
 
 ``mixed_step`` is 1 for a step with both prompt tokens and decodes, and
 ``mixed_prefill_tokens`` its prompt tokens: a prompt row beside decodes costs more than one
@@ -71,6 +81,7 @@ FEATURES = (
     "encoder_kunits",
     "encoder_items",
     "eager_forward",
+    "past_gemv",
     "lm_forward",
     "mixed_step",
     "mixed_prefill_tokens",
@@ -88,6 +99,8 @@ class StepFeatures:
     force_eager: bool = False  # price the step as an eager forward whatever its shape
     # steps with prompt tokens run the fused kernel up to this many rows in all (0: never)
     fused_prefill_rows: int = 0
+    # the fused kernel's own GEMV takes up to this many rows, oneDNN's GEMM more (0: no switch)
+    gemv_rows: int = 0
 
     @property
     def eager_forward(self) -> bool:
@@ -98,6 +111,12 @@ class StepFeatures:
         if self.prefill_tokens > 0:
             return self.prefill_tokens + self.decode_tokens > self.fused_prefill_rows
         return self.decode_tokens > self.fused_decode_rows
+
+    @property
+    def past_gemv(self) -> bool:
+        """The fused kernel runs this step's linears in oneDNN's GEMM, not its own GEMV."""
+        rows = self.prefill_tokens + self.decode_tokens
+        return bool(self.fused_decode_rows) and 0 < self.gemv_rows < rows and not self.eager_forward
 
     def vector(self) -> np.ndarray:
         rows = self.prefill_tokens + self.decode_tokens
@@ -111,6 +130,7 @@ class StepFeatures:
                 self.encoder_units / 1e3,
                 self.encoder_items,
                 float(self.eager_forward),
+                float(self.past_gemv),
                 float(rows > 0),
                 float(self.prefill_tokens > 0 and self.decode_tokens > 0),
                 self.prefill_tokens if self.decode_tokens > 0 else 0,
@@ -127,6 +147,7 @@ class StepFeatures:
             max(self.fused_decode_rows, other.fused_decode_rows),
             self.force_eager or other.force_eager,
             max(self.fused_prefill_rows, other.fused_prefill_rows),
+            max(self.gemv_rows, other.gemv_rows),
         )
 
 
@@ -142,7 +163,8 @@ class StepCostModel:
         it holds nothing else, the fit becomes degenerate (fixed cost and per-decode cost
         indistinguishable, a per-token price read from noise) and the scheduler, trusting it,
         never tries the step shapes that would correct it. So samples are kept per bucket (row
-        count on a log2 scale, with or without encoder work, pure or mixed, fused or eager forward),
+        count on a log2 scale, with or without encoder work, pure or mixed, fused or eager forward,
+        the kernel's GEMV or past it),
     ``per_bucket`` each:
         every regime the engine has seen — including the calibration run at start-up — stays in
         the fit until newer steps of the same kind replace it.
@@ -262,7 +284,7 @@ def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef
 
 
-def _bucket(features: StepFeatures) -> tuple[int, bool, bool, bool]:
+def _bucket(features: StepFeatures) -> tuple[int, bool, bool, bool, bool]:
     rows = features.prefill_tokens + features.decode_tokens
     mixed = features.prefill_tokens > 0 and features.decode_tokens > 0
     return (
@@ -270,4 +292,5 @@ def _bucket(features: StepFeatures) -> tuple[int, bool, bool, bool]:
         features.encoder_units > 0,
         mixed,
         features.eager_forward,
+        features.past_gemv,
     )

@@ -110,6 +110,7 @@ class LLMEngine:
                 encoder_unit_tokens=self.model.encoder_unit_tokens(),
                 fused_decode_rows=self.runner.fused_decode_rows,
                 fused_prefill_rows=self.runner.fused_prefill_rows,
+                fused_gemv_rows=self.runner.fused_gemv_rows,
                 interrupt_points=self._interrupt_points(args),
             ),
             self.kv,

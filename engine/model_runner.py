@@ -115,6 +115,7 @@ class ModelRunner:
         self.encoder_outputs: dict[str, torch.Tensor] = {}
         self._fused_rows = 0
         self._kernel_rows = 0  # most rows one fused forward takes
+        self._gemv_rows = 0  # rows past which the fused kernel's linears call oneDNN's GEMM
         self.fused_decoder = self._build_fused_decoder()
         # decode rows of mixed steps: engine.kernels' paged attention (bf16 CPU)
         self._native_attention = (
@@ -160,6 +161,13 @@ class ModelRunner:
             return 0
         return min(self.fused_prompt_rows, self._kernel_rows)
 
+    @property
+    def fused_gemv_rows(self) -> int:
+        """Most rows the fused kernel's own GEMV takes before its linears switch to oneDNN's
+        packed GEMM (0: no switch: no kernel, or no packed weights and the GEMV takes all).
+        The switch costs a jump, not a slope (engine/cost_model.py: ``past_gemv``)."""
+        return self._gemv_rows if self.fused_decoder is not None else 0
+
     def _build_fused_decoder(self):
         weights = getattr(self.model, "decode_kernel_weights_hp", None)
         kernels = load_cpu_decode() if weights is not None else None
@@ -176,6 +184,8 @@ class ModelRunner:
         self._fused_rows = (
             self.FUSED_DECODE_MAX_ROWS if packed is not None else self.UNPACKED_MAX_ROWS
         )
+        # the kernel caps its GEMV at 16 rows whatever it is asked (kMaxGemvRows)
+        self._gemv_rows = min(self.gemv_max_rows, 16) if packed is not None else 0
         text = self.model.text_config
         scales = getattr(self.model, "decode_kernel_scales", None)  # int8 weights
         try:

@@ -136,6 +136,8 @@ class SchedulerConfig:
     fused_decode_rows: int = 0
     # steps with prompt tokens run it too, up to this many rows in all (0: never)
     fused_prefill_rows: int = 0
+    # its linears run its own GEMV up to this many rows, oneDNN's GEMM past them (0: no switch)
+    fused_gemv_rows: int = 0
     # safe points of an interruptible step (StepLimits.interrupt_points); 0: none is
     interrupt_points: int = 0
 
@@ -362,13 +364,14 @@ class Scheduler:
             self.kv.block_size,
             self.config.encoder_unit_tokens,
             self.config.fused_prefill_rows,
+            self.config.fused_gemv_rows,
         )
 
     def _fit_or_defer(self, req: Request, start: int, n: int, budget: StepBudget) -> int:
         """The largest chunk the step's time allows; a prefill deferred for
         ``max_deferred_steps`` steps gets a chunk anyway (no starvation): one block's worth,
         or the rows the fused kernel still takes, so the forced step stays a fused one."""
-        k = budget.fit_chunk(start, n)
+        k = budget.fit_chunk(start, n, interactive=req.priority is Priority.INTERACTIVE)
         if k == 0:
             req.deferred_steps += 1
             if req.deferred_steps > self.config.max_deferred_steps:

@@ -78,6 +78,7 @@ class StepBudget:
         block_size: int = 16,
         encoder_unit_tokens: float = 0.01,
         fused_prefill_rows: int = 0,
+        gemv_rows: int = 0,
     ) -> None:
         self.limits = limits
         self.cost_model = cost_model
@@ -85,11 +86,14 @@ class StepBudget:
         self.encoder_unit_tokens = encoder_unit_tokens
         self.tokens_left = limits.max_tokens
         self.features = StepFeatures(
-            fused_decode_rows=fused_decode_rows, fused_prefill_rows=fused_prefill_rows
+            fused_decode_rows=fused_decode_rows,
+            fused_prefill_rows=fused_prefill_rows,
+            gemv_rows=gemv_rows,
         )
         self.limit_s: float | None = None  # set by open_prefill
         self.itl_target_s: float | None = None
         self.interruptible = False  # set by open_prefill
+        self.beside_interactive = False  # batch work under the ITL target (restrict_to_itl)
 
     # ---- decodes ------------------------------------------------------------------------------
     def add_decode(self, context_len: int) -> bool:
@@ -181,6 +185,7 @@ class StepBudget:
     def restrict_to_itl(self) -> None:
         """Batch work in a step while interactive work is active gets the ITL target at most:
         the interactive request's next token is in this step or the next."""
+        self.beside_interactive = True
         if self.itl_target_s is not None:
             self.limit_s = (
                 self.itl_target_s if self.limit_s is None else min(self.limit_s, self.itl_target_s)
@@ -212,6 +217,7 @@ class StepBudget:
                 attention_units=float(sum(context_lens)),
                 fused_decode_rows=f.fused_decode_rows,
                 fused_prefill_rows=f.fused_prefill_rows,
+                gemv_rows=f.gemv_rows,
             )
         )
 
@@ -225,9 +231,12 @@ class StepBudget:
         return max(0.0, self.limit_s - self.predicted_s)
 
     # ---- prompt chunks ------------------------------------------------------------------------
-    def fit_chunk(self, start: int, n: int) -> int:
+    def fit_chunk(self, start: int, n: int, interactive: bool = False) -> int:
         """Largest chunk (<= n) of a prompt at ``start`` that fits the tokens and the time
-        left; 0 when none does (the scheduler decides whether a starved request goes anyway)."""
+        left; 0 when none does (the scheduler decides whether a starved request goes anyway).
+        A camera prompt's chunk beside interactive work may be cut back to the kernel's GEMV
+        for a better rate (:meth:`_better_fused`); an ``interactive`` prompt's is not: its
+        user waits for the whole prompt."""
         n = min(n, max(0, self.tokens_left))
         if n == 0 or self.limit_s is None:
             return n
@@ -238,22 +247,29 @@ class StepBudget:
         def cost(k: int) -> float:
             return self.cost_model.predict(self.features.plus(_chunk(start, k)))
 
-        return self._better_fused(_largest_within(cost, n, self.limit_s), cost)
+        return self._better_fused(_largest_within(cost, n, self.limit_s), cost, interactive)
 
     def starved_chunk(self, block_size: int, start: int = 0) -> int:
         """Tokens a prefill (at ``start``) starved by the time limit gets anyway: one block,
         or fewer when more would push the step out of the fused kernel (whose eager floor
         would stall every chat stream in it: 160-340 ms against a 25 ms step on a 2-core AVX2
-        EPYC) or the step past ``STARVED_STEP_STRETCH`` times its time limit (one token at
-        least: the guard is for liveness; throughput is what the limit grants).
+        EPYC) or out of the kernel's own GEMV (oneDNN's floor past it: 4 chat decodes and a
+        forced 16-token block ran 51 ms against a 33 ms target on a 2-core AMX Xeon, 12 rows
+        would have run ~23) or the step past ``STARVED_STEP_STRETCH`` times its time limit
+        (one token at least: the guard is for liveness; throughput is what the limit grants).
 
-        0 when other prompt chunks of this step already took the kernel's spare rows: they
-        progress, so this request's turn comes (several starved frames each forcing one
-        token used to push a step to 18 rows and into the eager path). When the decodes
-        alone fill the kernel no chunk can stay fused, so the forced step carries a block."""
+        0 when other prompt chunks of this step already took the spare rows: they progress,
+        so this request's turn comes (several starved frames each forcing one token used to
+        push a step to 18 rows and into the eager path). When the decodes alone fill the
+        kernel (or its GEMV) no chunk can stay in it, so the forced step carries a block."""
         f = self.features
         if not f.fused_decode_rows or f.fused_prefill_rows <= 0:
             return self._within_stretch(start, block_size)
+        if f.decode_tokens < f.gemv_rows:
+            spare = f.gemv_rows - f.prefill_tokens - f.decode_tokens
+            if spare > 0:
+                return self._within_stretch(start, min(block_size, spare))
+            return 0
         spare = f.fused_prefill_rows - f.prefill_tokens - f.decode_tokens
         if spare > 0:
             return self._within_stretch(start, min(block_size, spare))
@@ -270,20 +286,33 @@ class StepBudget:
 
         return max(1, _largest_within(cost, n, STARVED_STEP_STRETCH * self.limit_s))
 
-    def _better_fused(self, k: int, cost: Callable[[int], float]) -> int:
-        """A chunk that would push the step out of the fused kernel is cut back to the rows
-        the kernel still takes when that is more prompt tokens per predicted second: past its
-        last row a step pays the eager path's floor, which a few more tokens rarely repay."""
+    def _better_fused(self, k: int, cost: Callable[[int], float], interactive: bool) -> int:
+        """A chunk that would push the step past a cheaper regime of the fused kernel is cut
+        back to the rows that regime still takes when that is more prompt tokens per predicted
+        second. Past the kernel's own GEMV (``gemv_rows``) a step pays oneDNN's small-row GEMM
+        floor, past the kernel (``fused_prefill_rows``) the eager path's: a few more tokens
+        rarely repay either.
+
+        The GEMV cut is for batch chunks beside interactive work only: there the step's base
+        (the chat decodes) is paid whatever the chunk, so tokens per marginal second is the
+        camera's whole cost. A batch-only step pays its base for the camera, and a cut into
+        more steps pays it again each time."""
         f = self.features
-        spare = f.fused_prefill_rows - f.prefill_tokens - f.decode_tokens
-        if not f.fused_decode_rows or f.force_eager or spare <= 0 or k <= spare:
+        if not f.fused_decode_rows or f.force_eager:
             return k
+        rows = f.prefill_tokens + f.decode_tokens
         base = self.predicted_s
-        gain_fused = cost(spare) - base
-        gain_eager = cost(k) - base
-        if gain_fused <= 0 or spare / gain_fused >= k / max(gain_eager, 1e-9):
-            return spare
-        return k
+
+        def rate(n: int) -> float:
+            gain = cost(n) - base
+            return math.inf if gain <= 0 else n / gain
+
+        limits = [f.fused_prefill_rows]
+        if self.beside_interactive and not interactive:
+            limits.append(f.gemv_rows)
+        cuts = [limit - rows for limit in limits]
+        candidates = [k] + [n for n in cuts if 0 < n < k]
+        return max(candidates, key=lambda n: (rate(n), -n))
 
     def add_chunk(self, start: int, n: int) -> None:
         self.tokens_left -= n

@@ -140,6 +140,34 @@ def test_interactive_first_script(tiny_qwen2_vl, results):
     assert data["frames_under_chat"]["frames_per_min"] > 0
     # the ideal share's reference: streams alone before and after the frames phase
     assert data["chat_alone"]["tokens"] > 0 and data["chat_alone_after"]["tokens"] > 0
+    # the chat part of each step: predicted, scaled by what such steps measured alone
+    share = data["camera_share_left"]
+    assert share["chat_decode_scale"] > 0 and 0 <= share["share_left"] <= 1
+
+
+def test_chat_share_scales_the_predicted_chat_part_by_what_it_measured_alone(tmp_path):
+    """The camera's share of a step is its time past the chat decodes' part; that part is
+    the cost model's prediction times measured / predicted of the decode-only chat steps while
+    the streams ran alone (a server whose chat steps ran 27 % over their prediction counted
+    that 27 % as the camera's)."""
+    from benchmarks.interactive_first import chat_decode_scale, chat_share_from_trace
+
+    def step(at: float, step_s: float, chat: float | None, prefill: int = 0, enc: int = 0):
+        return {"at": at, "step_s": step_s, "chat_decode_s": chat,
+                "prefill_tokens": prefill, "encoder_items": enc}  # fmt: skip
+
+    alone = [step(t, 0.024, 0.020) for t in range(10)]  # 1.2x the prediction
+    alone += [step(10, 0.050, 0.020, prefill=30)]  # a chat prompt step: not a reference
+    phase = [step(100 + t, 0.040, 0.020, enc=1) for t in range(10)]
+    trace = tmp_path / "steps.jsonl"
+    trace.write_text("\n".join(json.dumps(r) for r in alone + phase))
+    scale = chat_decode_scale(trace, [[0, 10]])
+    assert scale == pytest.approx(1.2)
+    share = chat_share_from_trace(trace, [100, 110], scale)
+    assert share["steps"] == 10
+    assert share["share_left"] == pytest.approx(10 * (0.040 - 0.024) / 10)
+    assert share["share_left_unscaled"] == pytest.approx(10 * (0.040 - 0.020) / 10)
+    assert chat_decode_scale(trace, [[50, 60]]) == 1.0  # nothing measured: unscaled
 
 
 @pytest.mark.slow

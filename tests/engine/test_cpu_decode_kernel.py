@@ -407,6 +407,11 @@ def test_fused_decode_logits_match_eager(tiny_checkpoint) -> None:
     if runner.fused_decode_rows > runner.UNPACKED_MAX_ROWS:  # packed weights: both paths ran
         assert any(n <= runner.gemv_max_rows for n in sizes)
         assert any(n > runner.gemv_max_rows for n in sizes)
+        # the switch the cost model prices (past_gemv) and the scheduler plans around
+        assert runner.fused_gemv_rows == min(runner.gemv_max_rows, 16)
+        assert llm.engine.scheduler.config.fused_gemv_rows == runner.fused_gemv_rows
+    else:  # the GEMV takes every row: no switch
+        assert runner.fused_gemv_rows == 0
     _assert_pairs_agree(pairs)
 
 

@@ -516,3 +516,79 @@ def test_starved_frames_beside_chat_never_push_a_step_out_of_the_fused_kernel(ti
     # prompt token costs past STARVED_STEP_STRETCH x the target beside four decodes)
     assert fed >= 3, "the starvation guard still feeds the frames"
     assert all(eng.scheduler.requests[f"cam{i}"].num_computed_tokens > 0 for i in range(3))
+
+
+# ---- the fused kernel's GEMV and oneDNN's GEMM past it ----------------------------------------
+GEMV_JUMP = {"fixed": 0.001, "lm_forward": 0.012, "decode_tokens": 0.0005,
+             "prefill_tokens": 0.0005, "past_gemv": 0.01}  # fmt: skip
+
+
+def _beside_four_decodes(limit_s: float | None, gemv_rows: int = 16) -> StepBudget:
+    """A fused step (AMX-like: GEMV to 16 rows, packed GEMM to 256) with 4 chat decodes."""
+    b = StepBudget(
+        StepLimits(max_tokens=2048),
+        StepCostModel(coefficients=GEMV_JUMP),
+        fused_decode_rows=256,
+        fused_prefill_rows=256,
+        gemv_rows=gemv_rows,
+    )
+    for _ in range(4):
+        b.add_decode(64)
+    if limit_s is not None:  # batch work beside chat: the ITL target
+        b.itl_target_s = limit_s
+        b.restrict_to_itl()
+    return b
+
+
+def test_the_cost_model_prices_the_step_past_the_kernels_gemv_as_a_jump():
+    """Past ``gemv_rows`` the fused kernel's linears call oneDNN's GEMM: a jump in step time
+    (2-core AMX Xeon: 4 decodes + 12 prompt rows 22.6 ms, + 13 rows 32.8) that no hinge can
+    price; the feature is set only where the kernel runs the step and switches."""
+
+    def features(prefill: int, decodes: int = 4, **kw) -> StepFeatures:
+        base = {"fused_decode_rows": 256, "fused_prefill_rows": 256, "gemv_rows": 16} | kw
+        return StepFeatures(prefill_tokens=prefill, decode_tokens=decodes, **base)
+
+    assert not features(12).past_gemv
+    assert features(13).past_gemv
+    assert features(0, decodes=17).past_gemv  # decode-only steps switch too
+    assert not features(13, gemv_rows=0).past_gemv  # no packed weights: the GEMV takes all
+    assert not features(13, force_eager=True).past_gemv  # an eager forward: no kernel at all
+    assert not features(300).past_gemv  # past fused_prefill_rows: eager, priced as such
+    # fitted from steps on both sides of the switch, the model learns the jump, not a slope
+    model = StepCostModel(min_samples=4)
+    for rep in range(3):
+        for k in (0, 2, 4, 8, 12, 13, 16, 24, 32):
+            seconds = 0.014 + 0.0005 * k + (0.01 if k + 4 > 16 else 0.0)
+            model.observe(features(k), seconds * (1 + 0.001 * rep))
+    model.refit()
+    jump = model.predict(features(13)) - model.predict(features(12))
+    assert 0.008 < jump < 0.012, model.coefficients()
+
+
+def test_camera_chunks_beside_chat_stay_in_the_kernels_gemv():
+    """A limit that admits 20 prompt rows beside 4 chat decodes gives a camera prompt the
+    GEMV's 12 (more tokens per predicted second: 6 ms for 12 against 20 ms for 20); a chat
+    prompt, whose user waits for all of it, still gets the 20, and so does a camera prompt
+    in a step of its own (that step's base is paid for the camera: cut in two, twice)."""
+    assert _beside_four_decodes(0.0352).fit_chunk(64, 500) == 12
+    assert _beside_four_decodes(0.0352).fit_chunk(64, 500, interactive=True) == 20
+    alone = _beside_four_decodes(None)
+    alone.limit_s = 0.0352
+    assert alone.fit_chunk(64, 500) == 20
+    # without the switch (the emulated builds' panel GEMV takes every row) nothing is cut
+    assert _beside_four_decodes(0.0352, gemv_rows=0).fit_chunk(64, 500) == 40
+
+
+def test_a_starved_prefill_beside_chat_stays_in_the_kernels_gemv():
+    """The starvation guard's forced chunk keeps the step in the GEMV: a forced 16-token block
+    beside 4 chat decodes ran 51 ms against a 33 ms target on a 2-core AMX Xeon (the
+    oneDNN floor), 12 rows would have run ~23."""
+    budget = _beside_four_decodes(None)
+    assert budget.starved_chunk(block_size=16) == 12
+    budget.add_chunk(64, 12)
+    assert budget.starved_chunk(block_size=16) == 0  # the chunk above took the spare rows
+    full = _beside_four_decodes(None)
+    for _ in range(12):
+        full.add_decode(64)  # the decodes alone fill the GEMV: a block, as before
+    assert full.starved_chunk(block_size=16) == 16

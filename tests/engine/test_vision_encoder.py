@@ -403,3 +403,30 @@ def test_torch_flash_plan_takes_sdpa_over_the_kernels_and_the_matmuls(tiny_check
         return _encode_to_end(job, cut)
 
     _assert_matches_sdpa(run(False), run(True))
+
+
+@pytest.mark.parametrize("fraction", [0.13, 0.37, 0.61, 0.83])
+def test_a_cut_takes_the_most_rows_that_fit(loaded, tiny_checkpoint, fraction):
+    """Every cut piece is the largest run of rows within the budget (more would not fit),
+    whether its price is linear in the rows (computed directly) or uneven across them
+    (Qwen2.5-VL's windows: searched), and the split encode equals the one-shot one."""
+    tower, model = _tower(loaded, tiny_checkpoint, max_rows=None)
+    pixels, grid = _inputs(model, [[1, 12, 20]])
+    job = tower.job(pixels, grid)
+    cuts = 0
+    while not job.done():
+        item = job.items[job.cursor]
+        budget = item.cost * fraction
+        job.advance(budget)
+        piece = job.items[job.cursor - 1]
+        if (piece.start, piece.end) == (item.start, item.end):
+            continue  # not cut by rows (too few, or whole heads)
+        cuts += 1
+        rows = piece.end - piece.start
+        if rows > MIN_SPLIT_ROWS and item.end - piece.end > MIN_SPLIT_ROWS:
+            assert piece.cost <= budget * (1 + 1e-9), piece.kind
+            more = job._item(piece.kind, piece.block, piece.start, piece.end + 1, piece.heads)
+            assert more.cost > budget, piece.kind
+    assert cuts > 0
+    whole = VisionTower(model.visual, model.vision_config, model.architecture)
+    _assert_all_close(job.result(), whole.encode(pixels, grid))
