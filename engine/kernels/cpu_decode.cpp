@@ -1121,13 +1121,17 @@ void paged_decode_attention(int M, const bf16* q, int64_t q_stride, bf16* out, i
 // Rows of a fused step as the attention takes them: a run of at least kChunkRows rows with
 // one block table and consecutive context lengths is a prompt chunk (its rows are tokens
 // len - n .. len - 1 of one sequence) and attends as a block through the flash kernel; the
-// other rows (decodes, short chunks) one by one through paged_decode_attention. At 4 rows of
-// 600 keys the two cost the same, at 16 rows the block is twice as fast.
+// other rows (decodes, single prompt rows) one by one through paged_decode_attention. The
+// block pays off from 2 rows: 4 chat decodes + k camera prompt rows at 800 keys, the step's
+// time over the decodes' alone, with the block from 8 rows / from 2 (2-core AMX Xeon, two
+// builds in turns, twice each): k = 2 +3.1-3.3 / +2.7-3.2 ms, k = 4 +5.1-5.6 / +3.1-3.3,
+// k = 8 +4.6-5.0 / +4.1-4.6. Beside chat a camera prompt gets a few rows a step, so most of
+// its chunks are this small.
 struct AttentionSegment {
   int m0, rows;
   bool chunk;
 };
-constexpr int kChunkRows = 8;
+constexpr int kChunkRows = 2;
 
 std::vector<AttentionSegment> attention_segments(int M, const int64_t* tab, int64_t max_blocks,
                                                  const int64_t* len) {

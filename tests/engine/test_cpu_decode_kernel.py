@@ -477,14 +477,15 @@ def test_the_amx_gemv_agrees_with_the_dot_product(tiny_checkpoint) -> None:
     assert decoder.set_amx_gemv(True) and decoder.amx_gemv
 
 
-@pytest.mark.parametrize("rows", [12, 48, 300])
+@pytest.mark.parametrize("rows", [3, 5, 12, 48, 300])
 def test_fused_prompt_steps_match_eager(tiny_checkpoint, rows: int) -> None:
     """Steps carrying prompt chunks (image rows included) beside decodes run the fused kernel
     while their rows fit the platform plan's ``fused_prompt_rows``: each new token a row
     attending to its own context length, the chunk's keys stored before any row attends.
-    Their logits are the eager path's. 48 and 300 rows: oneDNN's packed GEMM inside the
-    kernel, where the plan lets prompt steps that big in (bf16 arithmetic); 300 is past the
-    decode-only limit (256) too."""
+    Their logits are the eager path's. 3 and 5 rows: chunks of 2-5 rows beside decodes,
+    which attend as a block (``kChunkRows``), as a camera's chunks beside chat mostly do.
+    48 and 300 rows: oneDNN's packed GEMM inside the kernel, where the plan lets prompt
+    steps that big in (bf16 arithmetic); 300 is past the decode-only limit (256) too."""
     llm = LLM(
         model=str(tiny_checkpoint), dtype="bfloat16", block_size=4, max_num_batched_tokens=rows
     )
