@@ -624,35 +624,43 @@ std::vector<float> widen_rows(int M, const bf16* x, int64_t K) {
   return xf;
 }
 
+#ifdef VS_I16_DOT
+// Fills in.xq / in.xs (see PanelInput) for M rows of x [M, K]
+void quantize_rows_i16(int M, const bf16* x, int64_t K, PanelInput& in) {
+  in.M = M;
+  in.K = K;
+  in.Kp = i8_panel_k(K);
+  in.chunks = (K + kI8ChunkK - 1) / kI8ChunkK;
+  in.xq.assign(static_cast<size_t>(M) * in.Kp, 0);
+  in.xs.resize(static_cast<size_t>(M) * in.chunks);
+  for (int m = 0; m < M; ++m) {
+    const bf16* row = x + m * K;
+    for (int64_t c = 0; c < in.chunks; ++c) {
+      const int64_t k0 = c * kI8ChunkK, k1 = std::min(K, k0 + kI8ChunkK);
+      vf amax = vs::zero();
+      for (int64_t k = k0; k < k1; k += 16) {
+        const vf v = vs::load_bf16(row + k, k1 - k);
+        amax = vs::max(amax, vs::max(v, vs::sub(vs::zero(), v)));
+      }
+      const float a = vs::reduce_max(amax);
+      const bool nonzero = a > 0.f;  // NaN compares false: zeros, then a NaN scale
+      in.xs[m * in.chunks + c] = nonzero ? a / 32767.f : (a == 0.f ? 0.f : a);
+      const vf inv = vs::set1(nonzero ? 32767.f / a : 0.f);
+      for (int64_t k = k0; k < k1; k += 16)
+        vs::store_i16(in.xq.data() + m * in.Kp + k, vs::mul(vs::load_bf16(row + k, k1 - k), inv),
+                      k1 - k);
+    }
+  }
+}
+#endif
+
 PanelInput panel_input(int M, const bf16* x, const Panels& w) {
   PanelInput in;
   in.M = M;
   in.K = w.K;
 #ifdef VS_I16_DOT
   if (w.int8) {
-    const int64_t K = w.K;
-    in.Kp = i8_panel_k(K);
-    in.chunks = (K + kI8ChunkK - 1) / kI8ChunkK;
-    in.xq.assign(static_cast<size_t>(M) * in.Kp, 0);
-    in.xs.resize(static_cast<size_t>(M) * in.chunks);
-    for (int m = 0; m < M; ++m) {
-      const bf16* row = x + m * K;
-      for (int64_t c = 0; c < in.chunks; ++c) {
-        const int64_t k0 = c * kI8ChunkK, k1 = std::min(K, k0 + kI8ChunkK);
-        vf amax = vs::zero();
-        for (int64_t k = k0; k < k1; k += 16) {
-          const vf v = vs::load_bf16(row + k, k1 - k);
-          amax = vs::max(amax, vs::max(v, vs::sub(vs::zero(), v)));
-        }
-        const float a = vs::reduce_max(amax);
-        const bool nonzero = a > 0.f;  // NaN compares false: zeros, then a NaN scale
-        in.xs[m * in.chunks + c] = nonzero ? a / 32767.f : (a == 0.f ? 0.f : a);
-        const vf inv = vs::set1(nonzero ? 32767.f / a : 0.f);
-        for (int64_t k = k0; k < k1; k += 16)
-          vs::store_i16(in.xq.data() + m * in.Kp + k, vs::mul(vs::load_bf16(row + k, k1 - k), inv),
-                        k1 - k);
-      }
-    }
+    quantize_rows_i16(M, x, w.K, in);
     return in;
   }
 #endif
@@ -813,36 +821,116 @@ void matvec(int M, const bf16* x, const at::Tensor& w, int64_t N, Epilogue epilo
   });
 }
 
-// A bf16 matrix packed as AMX tiles (amx_gemv.h): the native build's GEMV on AMX CPUs
+// Fewest rows an int8 matrix runs on AMX tiles rather than its panels: a tile product costs
+// two TDPs per KiB of weights at any row count (amx_gemv.h) where the panels' dot product costs
+// grow with the rows. The bench decoder's matrices and lm_head, 2-core AMX Xeon, ms a pass,
+// panels / tiles in turns (two runs): 1 row 6.5 / 7.2 and 7.0 / 7.7; 4 rows 7.2 / 9.0 and
+// 7.5 / 8.7; 5 rows 9.1 / 9.1 and 9.8 / 8.9; 8 rows 10.7 / 9.4 and 11.4 / 10.2; 16 rows 18.3 /
+// 13.8 and 18.5 / 14.7.
+constexpr int kI8TileRows = 5;
+
+// A matrix packed as AMX tiles (amx_gemv.h): the native build's GEMV on AMX CPUs. bf16, or
+// int8 with its per-output-channel scales (AMX-INT8 tiles fed int16 activations).
 struct TiledWeights {
-  at::Tensor data;  // [N / 16, K / 32, 16, 32]
+  at::Tensor data;    // bf16 [N / 16, K / 32, 16, 32]; int8 [N / 16, K / 64, 16, 64]
+  at::Tensor scales;  // int8: fp32 [N]
   int64_t N = 0, K = 0;
+  bool int8 = false;
   bool defined() const { return data.defined(); }
 };
 
 #ifdef VS_BF16_DOT
-TiledWeights tile_weights(const at::Tensor& w) {
+// ``scales``: an int8 matrix's (undefined for bf16). Undefined tiles where the shape does not
+// tile (or int8 without AMX-INT8): that matrix keeps its other GEMV.
+TiledWeights tile_weights(const at::Tensor& w, const at::Tensor& scales = at::Tensor()) {
   TiledWeights out;
-  if (w.scalar_type() != at::kBFloat16 || !amx::tileable(w.size(0), w.size(1))) return out;
   const at::Tensor src = w.contiguous();
-  out.N = src.size(0), out.K = src.size(1);
-  out.data = at::empty({out.N / amx::kTileRows, out.K / amx::kTileK, amx::kTileRows, amx::kTileK},
-                       src.options());
-  amx::pack_weights(src.data_ptr<bf16>(), out.N, out.K, out.data.data_ptr<bf16>());
+  const int64_t N = src.size(0), K = src.size(1);
+  if (src.scalar_type() == at::kChar) {
+    if (!amx::amx_int8_usable() || !amx::tileable_i8(N, K)) return out;
+    out.data = at::empty({N / amx::kTileRows, K / amx::kTileKI8, amx::kTileRows, amx::kTileKI8},
+                         src.options());
+    amx::pack_weights_i8(src.data_ptr<int8_t>(), N, K, out.data.data_ptr<int8_t>());
+    out.scales = scales.contiguous();
+    out.int8 = true;
+  } else {
+    if (src.scalar_type() != at::kBFloat16 || !amx::tileable(N, K)) return out;
+    out.data = at::empty({N / amx::kTileRows, K / amx::kTileK, amx::kTileRows, amx::kTileK},
+                         src.options());
+    amx::pack_weights(src.data_ptr<bf16>(), N, K, out.data.data_ptr<bf16>());
+  }
+  out.N = N, out.K = K;
   out.data = copy_to_huge_pages({out.data})[0];
   return out;
+}
+
+// A step's activation rows as the tiles read them, packed once per matrix input: bf16 pairs,
+// or for int8 tiles the panels' int16 quantisation split into high and low bytes
+struct TileInput {
+  int M = 0;
+  std::vector<bf16> b;       // bf16 B tiles
+  std::vector<int8_t> hi;    // int8: the high bytes' B tiles
+  std::vector<uint8_t> lo;   // int8: the low bytes'
+  std::vector<float> lanes;  // int8: each row's scale per 256 k, as amx::scale_lanes lays out
+};
+
+TileInput tile_input(int M, const bf16* x, const TiledWeights& w) {
+  TileInput in;
+  in.M = M;
+  if (!w.int8) {
+    in.b = amx::pack_activations(M, x, w.K);
+    return in;
+  }
+  PanelInput q;
+  quantize_rows_i16(M, x, w.K, q);
+  static_assert(kI8ChunkK == amx::kTileKI8 * amx::kChunkBlocksI8, "one scale per 256 k");
+  in.hi.resize(static_cast<size_t>(M) * w.K);
+  in.lo.resize(static_cast<size_t>(M) * w.K);
+  amx::pack_activations_i8(M, q.xq.data(), q.Kp, w.K, in.hi.data(), in.lo.data());
+  std::vector<float> scale(static_cast<size_t>(M) * q.chunks);
+  for (int m = 0; m < M; ++m)
+    for (int64_t c = 0; c < q.chunks; ++c) scale[c * M + m] = q.xs[m * q.chunks + c];
+  in.lanes = amx::scale_lanes(M, scale.data(), q.chunks);
+  return in;
+}
+
+// The inputs of M rows in balanced groups of at most the tiles' 16 (a tile product's B holds
+// 16 activation rows): int8 tiles take any number of rows, group by group, each group one
+// more read of the matrix (32 rows in two passes ran faster than the int8 panels' one)
+std::vector<TileInput> tile_inputs(int M, const bf16* x, const TiledWeights& w) {
+  std::vector<TileInput> out;
+  const int groups = (M + amx::kMaxRows - 1) / amx::kMaxRows;
+  for (int g = 0, m0 = 0; g < groups; ++g) {
+    const int rows = (M - m0) / (groups - g);
+    out.push_back(tile_input(rows, x + m0 * w.K, w));
+    m0 += rows;
+  }
+  return out;
+}
+
+// acc[m * ld_acc + (n - n0)] for weight rows [n0, n1) (multiples of 16), int8 scales applied
+void tile_rows(const std::vector<TileInput>& ins, const TiledWeights& w, int64_t n0, int64_t n1,
+               float* acc, int64_t ld_acc) {
+  for (const TileInput& in : ins) {
+    if (w.int8)
+      amx::dot_rows_i8(in.M, in.hi.data(), in.lo.data(), in.lanes.data(),
+                       w.data.data_ptr<int8_t>(), w.scales.data_ptr<float>(), w.K, n0, n1, acc,
+                       ld_acc);
+    else
+      amx::dot_rows(in.M, in.b.data(), w.data.data_ptr<bf16>(), w.K, n0, n1, acc, ld_acc);
+    acc += in.M * ld_acc;
+  }
 }
 
 // As matvec, on AMX tiles: tasks are whole 16-row tiles
 template <typename Epilogue>
 void matvec_tiles(int M, const bf16* x, const TiledWeights& w, Epilogue epilogue) {
-  const std::vector<bf16> b = amx::pack_activations(M, x, w.K);
-  const bf16* wp = w.data.data_ptr<bf16>();
+  const std::vector<TileInput> ins = tile_inputs(M, x, w);
   at::parallel_for(0, w.N / amx::kTileRows, 1, [&](int64_t t0, int64_t t1) {
     const int64_t n0 = t0 * amx::kTileRows, n1 = t1 * amx::kTileRows;
     thread_local std::vector<float> acc;
     acc.resize(static_cast<size_t>(M) * (n1 - n0));
-    amx::dot_rows(M, b.data(), wp, w.K, n0, n1, acc.data(), n1 - n0);
+    tile_rows(ins, w, n0, n1, acc.data(), n1 - n0);
     epilogue(n0, n1, acc.data());
   });
 }
@@ -1308,20 +1396,23 @@ class FusedDecoder {
   }
   int64_t weight_prefetch() const { return weight_prefetch_; }
 
-  // The GEMV's rows on AMX tiles (amx_gemv.h) instead of the dot product: the platform plan
-  // asks for it on AMX CPUs. Returns whether it is on: never on a CPU or OS without AMX, for
-  // int8 weights (their panels were faster) or in builds without the bf16 dot product. The
-  // tiles are a second copy of the bf16 decoder weights, made on the first enable (the
-  // row-major ones stay: the eager path reads them).
+  // The GEMV's rows on AMX tiles (amx_gemv.h) instead of the dot product (bf16) or, from
+  // kI8TileRows rows, the panels (int8): the platform plan asks for it on AMX CPUs. Returns
+  // whether it is on: never on a CPU or OS without AMX or in builds without the bf16 dot
+  // product. The tiles are one more copy of the decoder weights, made on the first enable: the
+  // row-major ones stay (the eager path reads them), and so do int8 panels (fewer rows).
   bool set_amx_gemv(bool enable) {
 #ifdef VS_BF16_DOT
-    amx_gemv_ = enable && !int8_ && amx::amx_usable();
+    amx_gemv_ = enable && (int8_ ? amx::amx_int8_usable() : amx::amx_usable());
     if (amx_gemv_ && !tiled_) {
       for (auto& L : layers_) {
-        L.qkv_t = tile_weights(L.qkv_w), L.o_t = tile_weights(L.o_w);
-        L.gate_up_t = tile_weights(L.gate_up_w), L.down_t = tile_weights(L.down_w);
+        L.qkv_t = tile_weights(L.qkv_w, L.qkv_s), L.o_t = tile_weights(L.o_w, L.o_s);
+        // gate and up are tiled apart only where a tile holds no row of both
+        if (intermediate_ % amx::kTileRows == 0)
+          L.gate_up_t = tile_weights(L.gate_up_w, L.gate_up_s);
+        L.down_t = tile_weights(L.down_w, L.down_s);
       }
-      lm_head_t_ = tile_weights(lm_head_);
+      lm_head_t_ = tile_weights(lm_head_, lm_head_s_);
       tiled_ = true;
     }
 #else
@@ -1461,7 +1552,7 @@ class FusedDecoder {
       }
       linear(M, attn_t, L.o_w, L.o_p, L.o_n, L.o_t, H, add_to_residual);
       norm_rows(L.ln2.data_ptr<bf16>());
-      if (use_panels(M, L.gate_n)) {
+      if (use_panels(M, L.gate_n) && !use_tiles(M, L.gate_up_t)) {
         const PanelInput hin = panel_input(M, h, L.gate_n);
         at::parallel_for(0, (I + kPanel - 1) / kPanel, 1, [&](int64_t p0, int64_t p1) {
           const int64_t n0 = p0 * kPanel, n = std::min(I, p1 * kPanel) - n0;
@@ -1475,15 +1566,14 @@ class FusedDecoder {
 #ifdef VS_BF16_DOT
       } else if (use_tiles(M, L.gate_up_t) && I % amx::kTileRows == 0) {
         // as below, 16-row tiles of gate and of up per task
-        const std::vector<bf16> b = amx::pack_activations(M, h, H);
-        const bf16* gu = L.gate_up_t.data.data_ptr<bf16>();
+        const std::vector<TileInput> hin = tile_inputs(M, h, L.gate_up_t);
         at::parallel_for(0, I / amx::kTileRows, 1, [&](int64_t t0, int64_t t1) {
           const int64_t n0 = t0 * amx::kTileRows, n1 = t1 * amx::kTileRows, n = n1 - n0;
           thread_local std::vector<float> g, u;
           g.resize(static_cast<size_t>(M) * n);
           u.resize(static_cast<size_t>(M) * n);
-          amx::dot_rows(M, b.data(), gu, H, n0, n1, g.data(), n);
-          amx::dot_rows(M, b.data(), gu, H, I + n0, I + n1, u.data(), n);
+          tile_rows(hin, L.gate_up_t, n0, n1, g.data(), n);
+          tile_rows(hin, L.gate_up_t, I + n0, I + n1, u.data(), n);
           for (int m = 0; m < M; ++m) silu_mul_row(&g[m * n], &u[m * n], act + m * I + n0, n);
         });
 #endif
@@ -1603,11 +1693,14 @@ class FusedDecoder {
     return panels.defined() && (panels.int8 || M >= kPanelRows);
   }
 
-  // bf16 matrices run on AMX tiles where set_amx_gemv built them: the row-major GEMV's rows
-  // (gemv_max_rows, all of them without oneDNN's packing), up to the tiles' 16
+  // Matrices run on AMX tiles where set_amx_gemv built them: int8 ones from kI8TileRows rows
+  // (16 at a time), bf16 ones the row-major GEMV's rows (gemv_max_rows, all of them without
+  // oneDNN's packing), up to the tiles' 16
   bool use_tiles(int M, const TiledWeights& tiles) const {
 #ifdef VS_BF16_DOT
-    return amx_gemv_ && tiles.defined() && M <= amx::kMaxRows && (M <= gemv_max_rows_ || !packed_);
+    if (!amx_gemv_ || !tiles.defined()) return false;
+    if (tiles.int8) return M >= kI8TileRows;
+    return M <= amx::kMaxRows && (M <= gemv_max_rows_ || !packed_);
 #else
     (void)M, (void)tiles;
     return false;
@@ -1622,7 +1715,7 @@ class FusedDecoder {
               Epilogue epilogue) const {
     const int64_t K = w.size(1);
     TORCH_CHECK(x.size(1) == K && x.is_contiguous(), "linear input shape");
-    if (use_panels(M, panels)) {
+    if (use_panels(M, panels) && !use_tiles(M, tiles)) {
       matvec_panels(M, x.data_ptr<bf16>(), panels, epilogue);
       return;
     }
@@ -1786,7 +1879,9 @@ at::Tensor tiled_matmul(const at::Tensor& x, const at::Tensor& tiles) {
   const at::Tensor xc = x.contiguous();
   const int M = static_cast<int>(xc.size(0));
   TORCH_CHECK(M >= 1 && M <= amx::kMaxRows, "1..16 rows");
-  TiledWeights w{tiles.contiguous(), tiles.size(0) * amx::kTileRows, tiles.size(1) * amx::kTileK};
+  TiledWeights w;
+  w.data = tiles.contiguous();
+  w.N = tiles.size(0) * amx::kTileRows, w.K = tiles.size(1) * amx::kTileK;
   TORCH_CHECK(xc.dim() == 2 && xc.size(1) == w.K && xc.scalar_type() == at::kBFloat16, "x shape");
   at::Tensor y = at::empty({M, w.N}, xc.options());
   bf16* yp = y.data_ptr<bf16>();
@@ -1870,6 +1965,55 @@ class PanelGemv {
   Panels panels_;
 };
 
+// One weight packed once as AMX tiles: bf16 [N, K], or int8 with fp32 scales [N] on AMX-INT8.
+// forward(x bf16 [M, K]) -> fp32 [M, N], any M (int8; bf16 1..16): for tests (int8 tiles give
+// the int8 panels' result bit for bit) and benchmarks.
+class TileGemv {
+ public:
+  TileGemv(const at::Tensor& w_in, std::optional<at::Tensor> scales) {
+#ifdef VS_BF16_DOT
+    const at::Tensor w = w_in.contiguous();
+    TORCH_CHECK(w.dim() == 2, "w: [N, K]");
+    at::Tensor s;
+    if (w.scalar_type() == at::kChar) {
+      TORCH_CHECK(scales.has_value(), "int8 weights need their scales");
+      s = scales->to(at::kFloat).contiguous();
+      check_matrix(w, s, "w");
+      TORCH_CHECK(amx::amx_int8_usable(), "this CPU or OS runs no AMX-INT8");
+      TORCH_CHECK(amx::tileable_i8(w.size(0), w.size(1)), "N must be a multiple of 16 and K of 64");
+    } else {
+      TORCH_CHECK(amx::amx_usable(), "this CPU or OS runs no AMX");
+      TORCH_CHECK(amx::tileable(w.size(0), w.size(1)), "N must be a multiple of 16 and K of 32");
+    }
+    tiles_ = tile_weights(w, s);
+    TORCH_CHECK(tiles_.defined(), "w: bf16 or int8");
+#else
+    (void)w_in, (void)scales;
+    TORCH_CHECK(false, "AMX tiles are the native-bf16 build's");
+#endif
+  }
+
+  at::Tensor forward(const at::Tensor& x_in) const {
+    const at::Tensor x = x_in.to(at::kBFloat16).contiguous();
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == tiles_.K && x.size(0) >= 1, "x: [M >= 1, K]");
+    const int M = static_cast<int>(x.size(0));
+    TORCH_CHECK(tiles_.int8 || M <= 16, "bf16 tiles take 1..16 rows");
+    const int64_t N = tiles_.N;
+    at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+#ifdef VS_BF16_DOT
+    float* yp = y.data_ptr<float>();
+    matvec_tiles(M, x.data_ptr<bf16>(), tiles_, [&](int64_t n0, int64_t n1, const float* acc) {
+      for (int m = 0; m < M; ++m)
+        std::memcpy(yp + m * N + n0, acc + m * (n1 - n0), (n1 - n0) * sizeof(float));
+    });
+#endif
+    return y;
+  }
+
+ private:
+  TiledWeights tiles_;
+};
+
 }  // namespace
 
 // One prompt chunk's attention as the fused step runs it (queries: the last n of the
@@ -1942,6 +2086,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<const at::Tensor&, std::optional<at::Tensor>>(), pybind11::arg("w"),
            pybind11::arg("scales") = pybind11::none())
       .def("forward", &PanelGemv::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+  pybind11::class_<TileGemv>(m, "TileGemv")
+      .def(pybind11::init<const at::Tensor&, std::optional<at::Tensor>>(), pybind11::arg("w"),
+           pybind11::arg("scales") = pybind11::none())
+      .def("forward", &TileGemv::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("small_matmul", &small_matmul);
   m.def("tile_matrix", &tile_matrix);
   m.def("tiled_matmul", &tiled_matmul);
@@ -1951,6 +2099,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_usable", &amx::amx_usable);
 #else
   m.def("amx_usable", [] { return false; });
+#endif
+#ifdef VS_BF16_DOT
+  m.def("amx_int8_usable", &amx::amx_int8_usable);
+#else
+  m.def("amx_int8_usable", [] { return false; });
 #endif
   m.def("panel_matmul", &panel_matmul, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("decode_attention", &decode_attention,

@@ -189,14 +189,19 @@ def test_gemv_script(results):
     from engine.kernels import load_cpu_decode
 
     kernels = load_cpu_decode()
-    if kernels is None or kernels.bf16_dot:
-        pytest.skip("needs the emulated-bf16 kernels (AVX2, or AVX-512 without BF16)")
+    if kernels is None:
+        pytest.skip("engine.kernels do not build on this CPU")
     _run(
-        "benchmarks.gemv", "--rows", "1", "5", "--layers", "1", "--repeats", "1", "--out", "g.json",
-        results=results,
+        "benchmarks.gemv", "--rows", "1", "17", "--layers", "1", "--repeats", "1", "--lm-head",
+        "--out", "g.json", results=results,
     )  # fmt: skip
     data = json.loads((results / "g.json").read_text())
-    assert set(data["ms"]) == {"1", "5"}
+    assert set(data["ms"]) == {"1", "17"}
+    # every path this build and CPU have, each within its row limit
+    paths = {"int8-panel", "bf16-rowmajor"} | ({"bf16-panel"} if not kernels.bf16_dot else set())
+    paths |= {"int8-tile"} if kernels.amx_int8_usable() else set()
+    assert set(data["ms"]["1"]) == paths | ({"bf16-tile"} if kernels.amx_usable() else set())
+    assert set(data["ms"]["17"]) == paths - {"bf16-rowmajor"}
     assert all(ms > 0 for row in data["ms"].values() for ms in row.values())
 
 

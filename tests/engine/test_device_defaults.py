@@ -125,11 +125,13 @@ def test_the_platform_plan_decides_together(monkeypatch) -> None:
     assert not _plan(monkeypatch, True, amx=True, dtype=torch.float32).torch_flash_attention
     assert not _plan(monkeypatch, True, amx=True, dtype=torch.float32).amx_attention
     assert not fast.amx_attention  # AVX512-BF16 without AMX: the dot products
-    # ... and the decode GEMV runs on AMX tiles, bf16 weights only (int8 keeps its panels)
+    # ... and the decode GEMV runs on AMX tiles, bf16 weights and int8 ones (from 5 rows)
     assert amx.gemv_amx_tiles and "gemv=amx-tiles" in amx.describe()
     assert not fast.gemv_amx_tiles and "gemv=dot" in fast.describe()
     int8_amx = _plan(monkeypatch, True, variant="native-bf16", amx=True, quantization="int8")
-    assert not int8_amx.gemv_amx_tiles
+    assert int8_amx.gemv_amx_tiles
+    int8_fast = _plan(monkeypatch, True, variant="native-bf16", quantization="int8")
+    assert not int8_fast.gemv_amx_tiles
     assert not _plan(
         monkeypatch, True, variant="native-bf16", amx=True, cpu_kernels=False
     ).gemv_amx_tiles

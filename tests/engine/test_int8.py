@@ -154,6 +154,53 @@ def test_int8_panels_compute_with_the_dequantized_weight(rows, n, k) -> None:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=atol)
 
 
+def _amx_int8() -> bool:
+    kernels = load_cpu_decode()
+    return kernels is not None and bool(getattr(kernels, "amx_int8_usable", lambda: False)())
+
+
+@needs_decode_kernel
+@pytest.mark.parametrize("rows", [1, 4, 5, 8, 16, 17, 40])
+@pytest.mark.parametrize(("n", "k"), [(16, 64), (48, 320), (96, 768), (32, 2048)])
+def test_int8_tiles_give_the_panels_result_bit_for_bit(rows, n, k) -> None:
+    """The AMX-INT8 GEMV (engine/kernels/amx_gemv.h) splits each int16 activation into a
+    signed high and an unsigned low byte and sums both against the weights in int32: the same
+    integers the panels' int16 dot product sums, so the same floats. Shapes: one 64-k block, a
+    short last 256-k stretch (320), the bench's K (768, 2048); 1 and 2 live weight tiles; row
+    groups of 16 and their balanced split past 16. Activations with an outlier column, rows of
+    zeros and the extremes of the int16 range (x = -32767: high byte -128, low byte 1)."""
+    kernels = load_cpu_decode()
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    q, scales = quantize_int8(torch.randn(n, k, generator=gen))
+    if not _amx_int8():
+        with pytest.raises(RuntimeError, match=r"AMX|native-bf16"):
+            kernels.TileGemv(q, scales)
+        pytest.skip("no AMX-INT8 here: int8 keeps its panels")
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    x[:, 3] = 300.0  # one column sets every row's first stretch scale
+    x[0, 7] = -301.0  # the stretch's largest |x| negative: -32767 after rounding
+    if rows > 2:
+        x[1] = 0  # a zero row: scale 0
+    want = kernels.PanelGemv(q, scales).forward(x)
+    got = kernels.TileGemv(q, scales).forward(x)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    assert torch.equal(got, want)
+
+
+def test_int8_tiles_refuse_what_they_cannot_hold() -> None:
+    if not _amx_int8():
+        pytest.skip("no AMX-INT8 here")
+    kernels = load_cpu_decode()
+    q, scales = quantize_int8(torch.randn(32, 96))
+    with pytest.raises(RuntimeError, match="K of 64"):
+        kernels.TileGemv(q, scales)
+    with pytest.raises(RuntimeError, match="scales"):
+        kernels.TileGemv(quantize_int8(torch.randn(32, 64))[0], None)
+    tiles = kernels.TileGemv(*quantize_int8(torch.randn(32, 64)))
+    with pytest.raises(RuntimeError, match=r"x: \[M >= 1, K\]"):
+        tiles.forward(torch.ones(2, 32))
+
+
 @pytest.fixture(scope="module")
 def bf16_int8(tiny_qwen2_vl):
     return LLM(
@@ -244,3 +291,36 @@ def test_fused_int8_with_chunked_prefill_and_preemption(tiny_qwen2_vl) -> None:
     assert stats.num_preemptions > 0 and stats.kv_blocks_used == 0
     assert tight.engine.runner.fused_decode_steps > 0
     assert_same_up_to_near_ties(want, got)
+
+
+@needs_decode_kernel
+def test_int8_decode_steps_on_amx_tiles_equal_the_panels(bf16_int8) -> None:
+    """Where the plan puts the GEMV on AMX tiles (AMX CPUs), an int8 model's steps of 5 or
+    more rows run the int8 tiles and fewer rows the panels; every step of a run replayed with
+    the tiles off gives the same logits bit for bit. Elsewhere the plan keeps the panels."""
+    from tests.engine.test_cpu_decode_kernel import _RecordingDecoder
+
+    runner = bf16_int8.engine.runner
+    decoder = runner.fused_decoder
+    plan = bf16_int8.engine.platform
+    assert runner.gemv_amx_tiles == plan.gemv_amx_tiles
+    if not _amx_int8():
+        assert not decoder.amx_gemv
+        pytest.skip("no AMX-INT8 here: the panels")
+    assert plan.gemv_amx_tiles and decoder.amx_gemv and "gemv=amx-tiles" in plan.describe()
+    recorder = _RecordingDecoder(decoder)
+    runner.fused_decoder = recorder
+    try:
+        convs = [text_conv("hello " * (i + 3)) for i in range(8)]
+        bf16_int8.chat(convs, GREEDY)
+        bf16_int8.chat(convs[:3], GREEDY)
+    finally:
+        runner.fused_decoder = decoder
+    rows = {args[0].shape[0] for args, _, _ in recorder.calls}
+    assert {3, 8} <= rows, rows
+    decoder.set_amx_gemv(False)
+    try:
+        for args, kwargs, tiled in recorder.calls:
+            assert torch.equal(decoder.forward(*args, **kwargs), tiled)
+    finally:
+        assert decoder.set_amx_gemv(True)
