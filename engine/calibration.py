@@ -5,8 +5,9 @@ choose between — a handful of decodes plus a few prefill tokens, mostly — an
 learns only the shapes the scheduler already runs. So before serving, the engine runs a
 short series of synthetic steps through the real model runner (dummy token ids, real KV
 blocks, freed afterwards): prefill chunks of 8 to ``max_num_batched_tokens`` tokens, decodes
-of 1 to 16 requests, decodes with small prefill chunks beside them, and steps that advance a
-synthetic image's encoding, alone and beside decodes. Each shape runs three times; the two
+of 1 to 16 requests, decodes with small prefill chunks beside them, steps that advance a
+synthetic image's encoding, alone and beside decodes, and a few decode and side-chunk shapes
+again at ``LONG_CONTEXT`` (what attention costs per key). Each shape runs three times; the two
 warm times go to the cost model. Online steps replace these samples
 bucket by bucket (see :class:`engine.cost_model.StepCostModel`), so the calibration is a
 starting point, not a constant.
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.cost_model import FEATURES, StepCostModel, StepFeatures, chunk_attention_units
+from engine.cost_model import FEATURES, StepCostModel, StepFeatures
 from engine.device import cpuinfo_field
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
@@ -48,6 +49,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("engine.calibration")
 
 CONTEXT = 64  # tokens each decoding request holds before the decode shapes run
+# ... and before the same shapes run again: the context a camera frame's prompt chunks and a
+# long chat attend to, so that the fit sees what attention costs (engine/cost_model.py)
+LONG_CONTEXT = 1024
+LONG_DECODE_BATCHES = (1, 4)
+LONG_SIDE_CHUNKS = (1, 4, 12)
+GROW_PIECE = 512  # tokens a sequence grows by per (unobserved) step on the way there
 PREFILL_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)  # past ~1k tokens the fit extrapolates
 DECODE_BATCHES = (1, 2, 4, 8, 16)
 # prefill tokens next to 4 decodes: the ITL-target regime (up to 12, the fused kernel's rows)
@@ -58,7 +65,7 @@ ENCODER_GRID = (1, 32, 32)
 # of the image's work per step: from the few rows a step beside chat gets to several items, so
 # the fit can tell the per-item cost from the per-unit one
 ENCODER_FRACTIONS = (1 / 128, 1 / 64, 1 / 32, 1 / 16, 1 / 8)
-CACHE_VERSION = 6  # bump when what a calibration measures changes
+CACHE_VERSION = 7  # bump when what a calibration measures changes
 
 
 class _Calibrator:
@@ -108,11 +115,9 @@ class _Calibrator:
         )
         for c in sched.chunks:
             if c.is_decode:
-                features.decode_tokens += 1
-                features.attention_units += c.start + 1
+                features.add_decode(c.start + 1)
             else:
-                features.prefill_tokens += c.num_tokens
-                features.attention_units += chunk_attention_units(c.start, c.num_tokens)
+                features.add_chunk(c.start, c.num_tokens)
         t0 = time.perf_counter()
         self.runner.execute(sched)
         seconds = time.perf_counter() - t0
@@ -168,8 +173,7 @@ class _Calibrator:
             gemv_rows=self.runner.fused_gemv_rows,
         )
         for c in sched.chunks:
-            features.decode_tokens += 1
-            features.attention_units += c.start + 1
+            features.add_decode(c.start + 1)
         t0 = time.perf_counter()
         result = self.runner.execute(sched)
         if self.runner.device.type == "cuda":  # no token sampled: nothing waited for the GPU
@@ -191,6 +195,40 @@ class _Calibrator:
             if not self.step(parts, observe):
                 return
 
+    def long_context_shapes(
+        self, side: list[str], max_num_batched_tokens: int, max_model_len: int | None
+    ) -> None:
+        """The decode and side-chunk shapes again, every sequence grown to LONG_CONTEXT (or
+        what the model and the KV pool hold): their prices per key apart from the prefill
+        steps' (engine/cost_model.py, ``decode_attention_units``, ``chunk_keys``)."""
+        longest = LONG_CONTEXT if max_model_len is None else min(LONG_CONTEXT, max_model_len)
+        target = longest - 2 * max(LONG_SIDE_CHUNKS) * 3  # room for the shapes' own tokens
+        if not side or target <= 2 * CONTEXT:
+            return
+        grown = []
+        for rid in [*side, "calib-side"]:
+            while self.lengths.get(rid, 0) < target:  # in prompt-sized pieces
+                n = min(GROW_PIECE, target - self.lengths.get(rid, 0))
+                if not self.step([(rid, n, False)], observe=False):
+                    break
+            if self.lengths.get(rid, 0) < target:
+                break
+            grown.append(rid)
+        decoders = [rid for rid in grown if rid != "calib-side"]
+        for b in LONG_DECODE_BATCHES:
+            if b <= len(decoders):
+                self.shape(lambda b=b: ([(rid, 1, True) for rid in decoders[:b]], []))
+        if "calib-side" not in grown:
+            return
+        for n in LONG_SIDE_CHUNKS:
+            if len(decoders) + n <= max_num_batched_tokens:
+                self.shape(
+                    lambda n=n: (
+                        [(rid, 1, True) for rid in decoders] + [("calib-side", n, False)],
+                        [],
+                    )
+                )
+
     def release(self, rid: str) -> None:
         self.kv.free(rid)
         self.lengths.pop(rid, None)
@@ -202,6 +240,7 @@ def calibrate(
     cost_model: StepCostModel,
     max_num_batched_tokens: int,
     max_num_seqs: int,
+    max_model_len: int | None = None,
 ) -> list[tuple[StepFeatures, float, float | None]]:
     """Seed ``cost_model`` with synthetic steps; returns the (features, step seconds, encoder
     seconds) observed."""
@@ -235,6 +274,7 @@ def calibrate(
                         )
                     )
         cal.encoder_steps(side)
+        cal.long_context_shapes(side, max_num_batched_tokens, max_model_len)
     finally:
         for rid in list(cal.lengths):
             cal.release(rid)
@@ -297,6 +337,7 @@ def calibrate_cached(
     max_num_batched_tokens: int,
     max_num_seqs: int,
     key: str,
+    max_model_len: int | None = None,
 ) -> None:
     """Seed ``cost_model`` from this machine's cached calibration, or calibrate and cache it."""
     path = cache_dir() / f"{key}.json"
@@ -310,7 +351,9 @@ def calibrate_cached(
             return
     except (OSError, ValueError, KeyError, TypeError):
         pass  # no cache yet, or one this code cannot read: measure
-    recorded = calibrate(runner, kv, cost_model, max_num_batched_tokens, max_num_seqs)
+    recorded = calibrate(
+        runner, kv, cost_model, max_num_batched_tokens, max_num_seqs, max_model_len
+    )
     load = _busy_load()
     if load is not None:
         # steps timed while other work held the cores: fine to start from (online steps

@@ -1,7 +1,8 @@
 """An online model of step time, learnt from the steps the engine actually ran.
 
     step_s ≈ fixed + l·lm_forward + a·prefill_tokens + b·decode_tokens
-             + Σ_k h_k·max(0, rows − k) + c·attention_units + d·encoder_units
+             + Σ_k h_k·max(0, rows − k) + c·attention_units + c_d·decode_attention_units
+             + c_k·chunk_keys + d·encoder_units
              + i·encoder_items + e·eager_forward + g·past_gemv + m·mixed_step
              + p·mixed_prefill_tokens
 
@@ -45,7 +46,17 @@ way: the chat ITL target was overshot by exactly the steps that carry camera row
 chat, whose tail set the chat ITL p99 in the server.
 
 ``attention_units`` is the query×key work of the step (each new token times the context it
-attends to, in thousands) and ``encoder_units`` the vision-tower work run in the step (in
+attends to, in thousands); ``decode_attention_units`` the part of it decode rows do, and
+``chunk_keys`` the keys the step's prompt chunks attend to (each chunk's context, once). A
+prompt chunk of a hundred rows or more attends through a flash kernel, cheap per query-key
+pair; a decode row walks its paged keys alone, and a small chunk (the camera's few rows beside
+chat) pays for its keys about once whatever its rows (a block of rows, on AMX in one tile
+product). One price per query-key pair fitted 0 on a 2-core AMX Xeon, while 4 decodes at
+1,024 keys ran 18.7 / 18.1 ms against 16.4 / 15.1 at 64: the fit had seen decodes at one
+context only, and the prefill steps' quadratic attention, cheap per pair, set the price.
+Calibration now runs decodes and small chunks at a long context too.
+
+``encoder_units`` is ``encoder_units`` the vision-tower work run in the step (in
 thousands of the tower's patch-block units, see ``engine/models/vision_encoder.py``).
 ``encoder_items`` counts the vision work items the step ran: each costs more than its FLOPs
 (on a 2-core AVX2 EPYC beside 4 decodes, a 16-row piece of a 640x480 frame's attention + MLP
@@ -78,6 +89,8 @@ FEATURES = (
     "decode_tokens",
     *(f"rows_over_{k}" for k in ROW_KNOTS),
     "attention_kunits",
+    "decode_attention_kunits",
+    "chunk_keys_kunits",
     "encoder_kunits",
     "encoder_items",
     "eager_forward",
@@ -101,6 +114,8 @@ class StepFeatures:
     fused_prefill_rows: int = 0
     # the fused kernel's own GEMV takes up to this many rows, oneDNN's GEMM more (0: no switch)
     gemv_rows: int = 0
+    decode_attention_units: float = 0.0  # the part of attention_units decode rows do
+    chunk_keys: float = 0.0  # sum over prompt chunks of the context each attends to
 
     @property
     def eager_forward(self) -> bool:
@@ -127,6 +142,8 @@ class StepFeatures:
                 self.decode_tokens,
                 *(max(0, rows - k) for k in ROW_KNOTS),
                 self.attention_units / 1e3,
+                self.decode_attention_units / 1e3,
+                self.chunk_keys / 1e3,
                 self.encoder_units / 1e3,
                 self.encoder_items,
                 float(self.eager_forward),
@@ -148,7 +165,21 @@ class StepFeatures:
             self.force_eager or other.force_eager,
             max(self.fused_prefill_rows, other.fused_prefill_rows),
             max(self.gemv_rows, other.gemv_rows),
+            self.decode_attention_units + other.decode_attention_units,
+            self.chunk_keys + other.chunk_keys,
         )
+
+    def add_decode(self, context_len: int) -> None:
+        """One decode row attending to ``context_len`` keys."""
+        self.decode_tokens += 1
+        self.attention_units += context_len
+        self.decode_attention_units += context_len
+
+    def add_chunk(self, start: int, num_tokens: int) -> None:
+        """A prompt chunk of tokens [start, start + num_tokens)."""
+        self.prefill_tokens += num_tokens
+        self.attention_units += chunk_attention_units(start, num_tokens)
+        self.chunk_keys += start + num_tokens
 
 
 def chunk_attention_units(start: int, num_tokens: int) -> float:

@@ -124,6 +124,7 @@ class LLMEngine:
                 limits.max_tokens,
                 args.max_num_seqs,
                 key=calibration_key(self),
+                max_model_len=self.max_model_len,
             )
         log_step_policy(self.scheduler, args)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}

@@ -25,7 +25,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.cost_model import StepCostModel, StepFeatures, chunk_attention_units
+from engine.cost_model import StepCostModel, StepFeatures
 
 AUTO = "auto"
 # a prompt the time limit starved for ``max_deferred_steps`` steps may stretch the step it is
@@ -101,8 +101,7 @@ class StepBudget:
         if self.tokens_left < 1:
             return False
         self.tokens_left -= 1
-        self.features.decode_tokens += 1
-        self.features.attention_units += context_len
+        self.features.add_decode(context_len)
         return True
 
     def remove_decode(self, context_len: int) -> None:
@@ -111,6 +110,7 @@ class StepBudget:
         self.tokens_left += 1
         self.features.decode_tokens -= 1
         self.features.attention_units -= context_len
+        self.features.decode_attention_units -= context_len
 
     # ---- the time limit -----------------------------------------------------------------------
     def open_prefill(
@@ -215,6 +215,7 @@ class StepBudget:
             StepFeatures(
                 decode_tokens=len(context_lens),
                 attention_units=float(sum(context_lens)),
+                decode_attention_units=float(sum(context_lens)),
                 fused_decode_rows=f.fused_decode_rows,
                 fused_prefill_rows=f.fused_prefill_rows,
                 gemv_rows=f.gemv_rows,
@@ -400,4 +401,6 @@ def _largest_within(cost: Callable[[int], float], n: int, bound: float) -> int:
 
 
 def _chunk(start: int, n: int) -> StepFeatures:
-    return StepFeatures(prefill_tokens=n, attention_units=chunk_attention_units(start, n))
+    features = StepFeatures()
+    features.add_chunk(start, n)
+    return features

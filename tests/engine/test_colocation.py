@@ -358,6 +358,54 @@ def test_cost_model_prices_prompt_rows_beside_decodes_apart():
         assert model.predict(probe) == pytest.approx(truth(probe), rel=0.03)
 
 
+def test_cost_model_prices_keys_of_decodes_and_small_chunks_apart_from_prefill_attention():
+    """A decode row pays per key of its context, a small prompt chunk about once per key
+    whatever its rows, a long prompt chunk little per query-key pair (flash attention). With
+    calibration's shapes, the decode and side-chunk ones at a short and a long context, the
+    fit must price the long-context steps a camera's chunks beside chat are: one price per
+    query-key pair fitted 0 (the prefill steps' cheap quadratic attention set it) and a
+    decode step at 1,024 keys ran 2-3 ms over its prediction on a 2-core AMX Xeon."""
+
+    def truth(f: StepFeatures) -> float:
+        mixed = f.prefill_tokens > 0 and f.decode_tokens > 0
+        return (
+            0.010
+            + 0.0003 * f.prefill_tokens
+            + 0.0008 * f.decode_tokens
+            + 2e-9 * f.attention_units
+            + 7e-7 * f.decode_attention_units
+            + 2e-6 * f.chunk_keys
+            + mixed * 0.002
+        )
+
+    def step(decode_ctx: list[int], chunk: tuple[int, int] | None = None) -> StepFeatures:
+        f = StepFeatures()
+        for ctx in decode_ctx:
+            f.add_decode(ctx)
+        if chunk is not None:
+            f.add_chunk(*chunk)
+        return f
+
+    samples = [step([], (0, p)) for p in (8, 16, 32, 64, 128, 256, 512, 1024)]
+    for ctx in (64, 1024):
+        samples += [step([ctx] * d) for d in (1, 2, 4, 8, 16) if ctx == 64 or d in (1, 4)]
+        samples += [step([ctx] * 4, (ctx, n)) for n in (1, 4, 12)]
+    model = StepCostModel(refit_every=1)
+    for f in samples * 2:
+        model.observe(f, truth(f))
+    for probe in (
+        step([1000] * 4),
+        step([600] * 4, (800, 6)),
+        step([300] * 8),
+        step([], (0, 700)),
+    ):
+        assert model.predict(probe) == pytest.approx(truth(probe), rel=0.03)
+    # a decode-only step at 1,024 keys priced over one at 64: the attention is in the fit
+    assert model.predict(step([1024] * 4)) - model.predict(step([64] * 4)) == pytest.approx(
+        4 * 960 * (7e-7 + 2e-9), rel=0.1
+    )
+
+
 def test_an_itl_target_starts_from_a_calibrated_cost_model(tiny_qwen2_vl):
     """The profile run leaves a fitted model, an empty KV pool and no trace in the stats."""
     llm, eng = _engine(tiny_qwen2_vl, target_itl_ms="auto")

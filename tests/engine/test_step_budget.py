@@ -391,6 +391,39 @@ def test_startup_log_states_the_step_policy(tiny_qwen2_vl, caplog):
     assert "mode=fixed-tokens max_num_batched_tokens=256" in lines[1]
 
 
+def test_calibration_times_decodes_and_side_chunks_at_a_long_context(
+    tiny_qwen2_vl, tmp_path, monkeypatch
+):
+    """The fit prices attention per key only if it saw decodes and small chunks at more than
+    one context: calibration runs them at 64 keys and again near LONG_CONTEXT, capped by
+    the model's length, and gives every block back."""
+    import engine.calibration as calibration
+
+    monkeypatch.setenv("VISION_SERVE_CACHE_DIR", str(tmp_path))
+    recorded = []
+    real = calibration.calibrate
+    monkeypatch.setattr(
+        calibration, "calibrate", lambda *a, **k: recorded.extend(real(*a, **k)) or recorded
+    )
+    eng = _served(tiny_qwen2_vl)
+    long = calibration.LONG_CONTEXT - 100
+    decodes = [f for f, _, _ in recorded if f.decode_tokens and not f.prefill_tokens]
+    sides = [f for f, _, _ in recorded if f.decode_tokens == 4 and f.prefill_tokens]
+    assert {f.decode_tokens for f in decodes if f.decode_attention_units > long} >= {1, 4}
+    assert {f.decode_tokens for f in decodes if f.decode_attention_units < 100 * 16} >= {1, 16}
+    assert {f.prefill_tokens for f in sides if f.chunk_keys > long} == {1, 4, 12}
+    assert {f.prefill_tokens for f in sides if f.chunk_keys < 200} >= {1, 4, 12}
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+
+    recorded.clear()
+    monkeypatch.setenv("VISION_SERVE_CACHE_DIR", str(tmp_path / "short"))
+    short = _served(tiny_qwen2_vl, max_model_len=256)
+    assert recorded and short.scheduler.cost_model.ready
+    assert all(f.decode_attention_units <= 256 * f.decode_tokens for f, _, _ in recorded)
+    assert any(f.decode_attention_units > 150 * f.decode_tokens for f, _, _ in recorded)
+    assert short.kv.num_free_blocks == short.kv.num_blocks
+
+
 def test_calibration_is_cached_per_machine_model_and_dtype(tiny_qwen2_vl, tmp_path, monkeypatch):
     import engine.calibration as calibration
 
