@@ -169,9 +169,9 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void dot_rows(int M, const b
 // 2-core AMX Xeon: a bench decode step at batch 8 took 12.6 ms against bf16's 14.6 on tiles
 // (1.16x for half the bytes), at batch 1 7.0 against 12.4. One int8 tile product (TDPBSSD)
 // does 16 x 16 x 64 multiply-adds at a cost that does not grow with the rows. It costs two per
-// KiB of weights here (the split below), as many as bf16's per KiB, and the machine ran them at
-// 20-50 ns each (a VM's AMX unit, not the 16 cycles of the manuals): at 1-4 rows the panels
-// stay faster (FusedDecoder's kI8TileRows).
+// KiB of weights here (the split below), as many as bf16's per KiB, and the 2-core AMX VM
+// ran them at 20-50 ns each on a matrix in cache (a /tmp driver; the manuals say 16 cycles):
+// at 1-4 rows the panels stay faster (cpu_decode.cpp's kI8TileRows).
 //
 // The tiles multiply bytes, the activations are int16 (the panels' quantisation: one fp32
 // scale per row and 256 k, 15 bits against that stretch's largest |x|). Each int16 is split

@@ -25,6 +25,9 @@
 #include "chunk_attention.h"
 #ifdef VS_BF16_DOT
 #include "amx_gemv.h"
+#ifndef VS_I16_DOT  // int8 tiles take the int16 activations of the panels' VNNI path
+#error "the native-bf16 build is compiled with AVX512-VNNI (isa/avx512.h)"
+#endif
 #endif
 
 #include <sys/mman.h>
