@@ -175,6 +175,12 @@ class StepFeatures:
         self.attention_units += context_len
         self.decode_attention_units += context_len
 
+    def remove_decode(self, context_len: int) -> None:
+        """Take back an :meth:`add_decode`."""
+        self.decode_tokens -= 1
+        self.attention_units -= context_len
+        self.decode_attention_units -= context_len
+
     def add_chunk(self, start: int, num_tokens: int) -> None:
         """A prompt chunk of tokens [start, start + num_tokens)."""
         self.prefill_tokens += num_tokens

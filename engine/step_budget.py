@@ -108,9 +108,7 @@ class StepBudget:
         """Take back a decode :meth:`add_decode` counted (a batch decode held out of an
         encoder-only step, see ``Scheduler._hold_batch_decodes``)."""
         self.tokens_left += 1
-        self.features.decode_tokens -= 1
-        self.features.attention_units -= context_len
-        self.features.decode_attention_units -= context_len
+        self.features.remove_decode(context_len)
 
     # ---- the time limit -----------------------------------------------------------------------
     def open_prefill(

@@ -85,13 +85,19 @@ inline std::vector<bf16> pack_activations(int M, const bf16* x, int64_t K) {
 // The weights as tiles: [N / 16][K / 32][16 rows][32 k], each A tile 1 KiB in one piece
 inline bool tileable(int64_t N, int64_t K) { return N % kTileRows == 0 && K % kTileK == 0; }
 
-inline void pack_weights(const bf16* w, int64_t N, int64_t K, bf16* out) {
-  const int64_t blocks = K / kTileK;
+// w [N, K] row-major -> [N / 16][K / TileK][16 rows][TileK]: bf16 (TileK 32) or int8 (64)
+template <int TileK, typename T>
+inline void pack_tiles(const T* w, int64_t N, int64_t K, T* out) {
+  const int64_t blocks = K / TileK;
   for (int64_t t = 0; t < N / kTileRows; ++t)
     for (int64_t b = 0; b < blocks; ++b)
       for (int r = 0; r < kTileRows; ++r)
-        std::memcpy(out + ((t * blocks + b) * kTileRows + r) * kTileK,
-                    w + (t * kTileRows + r) * K + b * kTileK, kTileK * sizeof(bf16));
+        std::memcpy(out + ((t * blocks + b) * kTileRows + r) * TileK,
+                    w + (t * kTileRows + r) * K + b * TileK, TileK * sizeof(T));
+}
+
+inline void pack_weights(const bf16* w, int64_t N, int64_t K, bf16* out) {
+  pack_tiles<kTileK>(w, N, K, out);
 }
 
 // ``Tiles`` C tiles of 16 weight rows from tile ``t0`` (tile-packed weights), over all of k
@@ -193,12 +199,7 @@ inline bool tileable_i8(int64_t N, int64_t K) { return N % kTileRows == 0 && K %
 
 // The int8 weights as tiles: [N / 16][K / 64][16 rows][64 k], each A tile 1 KiB in one piece
 inline void pack_weights_i8(const int8_t* w, int64_t N, int64_t K, int8_t* out) {
-  const int64_t blocks = K / kTileKI8;
-  for (int64_t t = 0; t < N / kTileRows; ++t)
-    for (int64_t b = 0; b < blocks; ++b)
-      for (int r = 0; r < kTileRows; ++r)
-        std::memcpy(out + ((t * blocks + b) * kTileRows + r) * kTileKI8,
-                    w + (t * kTileRows + r) * K + b * kTileKI8, kTileKI8);
+  pack_tiles<kTileKI8>(w, N, K, out);
 }
 
 // int16 activations xq [M, ld] (first K used, K a multiple of 64) -> the B tiles of their high
