@@ -420,7 +420,7 @@ def log_step_policy(scheduler: Scheduler, args: EngineArgs) -> None:
         "tokens beside one chat stream (another chat's prompt ~%d), up to ~%d per batch-only "
         "step; why: an arriving chat request waits at most one step, and chat streams keep "
         "their ITL while camera work fills what they leave; with no chat in the engine, "
-        "interruptible steps up to %s ms (given up between layers for an arriving chat)",
+        "interruptible steps up to %s ms (given up at half-layer safe points for an arriving chat)",
         cfg.max_num_batched_tokens,
         "off" if limits.target_itl_s is None else limits.target_itl_s,
         "-" if budget.itl_target_s is None else f"{budget.itl_target_s * 1e3:.1f}",

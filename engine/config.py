@@ -48,7 +48,7 @@ class EngineArgs:
     max_step_ms: str | None = None  # any step (batch-only work included)
     auto_itl_factor: float = 1.25  # "auto" target = this x the predicted decode-only step
     # with no interactive work in the engine, a step may run many times the step bound and
-    # stops between decoder layers / vision items when a chat request is queued
+    # stops at safe points (half decoder layers, vision items) when a chat request is queued
     interruptible_steps: bool = True
     encoder_cache_size: int = 16384  # image embeddings (tokens) kept for reuse
     enable_chunked_encoder: bool = True  # image encoding advanced under the step budget

@@ -333,8 +333,9 @@ class ModelRunner:
     def _forward_and_sample(
         self, sched: SchedulerOutput, interrupt: StepInterrupt | None = None
     ) -> dict[str, int]:
-        """``interrupt``: checked between decoder layers of the eager forward, which an
-        interruptible step's prompt rows always run (the fused kernel has no safe point)."""
+        """``interrupt``: checked at the safe points of the eager forward (after each decoder
+        layer's attention and between layers), which an interruptible step's prompt rows always
+        run (the fused kernel has no safe point)."""
         chunks = sched.chunks
         if self._fused_decode_applies(chunks):
             return self._sample(self._fused_decode_logits(chunks), chunks)
@@ -356,7 +357,7 @@ class ModelRunner:
             positions.to(self.device),
             self.kv_caches,
             meta,
-            between_layers=interrupt.check if interrupt is not None else None,
+            safe_point=interrupt.check if interrupt is not None else None,
         )
 
         sample_rows, sampled_chunks = _sampled_rows(chunks)

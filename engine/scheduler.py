@@ -240,7 +240,12 @@ class Scheduler:
         #    a waiting interactive request outranks a half-done batch prefill. The time limit
         #    is the step bound (none for chat prompts while no chat decodes: nobody to stall);
         #    batch work next to active interactive work gets the ITL target at most (without
-        #    a step bound, interactive prompts get it too).
+        #    a step bound, interactive prompts get it too). Under time-sized steps no batch
+        #    prompt chunk or encoder piece joins a step that carries an interactive prompt's
+        #    chunk or its image's encoding: in the step after a camera step gave way to a
+        #    chat, a camera encoder piece beside the chat's prompt ran 1-11 ms (its price was
+        #    the ITL target's leftovers, its time a cold piece's) and the chat's first token
+        #    waited for it (2-core AMX Xeon, benchmarks.interactive_first step traces).
         candidates = [r for r in self.running if r.is_prefill and r.request_id not in scheduled]
         candidates += self.waiting
         interactive_prompts = any(r.priority is Priority.INTERACTIVE for r in candidates)
@@ -253,9 +258,12 @@ class Scheduler:
         prefill_scheduled = False
         prefill_tokens = 0
         restricted = False
+        interactive_prompt_work = False
         for req in sorted(candidates, key=_rank):
             if budget.tokens_left < 1:
                 break
+            if interactive_prompt_work and req.priority is not Priority.INTERACTIVE:
+                break  # nothing batch in a chat prompt's step: its first token waits for none
             if interactive_active and req.priority is Priority.BATCH and not restricted:
                 budget.restrict_to_itl()
                 restricted = True
@@ -269,9 +277,12 @@ class Scheduler:
                 cached_blocks = self._cached_prefix(req)
             computed = max(req.num_computed_tokens, len(cached_blocks) * self.kv.block_size)
             n = self._chunk_size(req, computed, budget.tokens_left, prefill_scheduled)
+            encoding_before = len(out.encoder_work)
             if n and req.prompt.images:
                 n = self._gate_on_images(req, computed, n, budget, out)
                 n = min(n, max(0, budget.tokens_left))  # encoder work and tokens share it
+            if req.priority is Priority.INTERACTIVE and self.config.limits.time_sized:
+                interactive_prompt_work |= len(out.encoder_work) > encoding_before
             if n and budget.limit_s is not None:
                 n = self._fit_or_defer(req, computed, n, budget)
             if n == 0:
@@ -289,6 +300,8 @@ class Scheduler:
             elif not self._reserve(req, n, scheduled, out):
                 continue
             req.deferred_steps = 0
+            if req.priority is Priority.INTERACTIVE and self.config.limits.time_sized:
+                interactive_prompt_work = True
             budget.add_chunk(computed, n)
             self._emit(req, n, out, now)
             scheduled.add(req.request_id)
@@ -300,7 +313,7 @@ class Scheduler:
         # this step's new jobs start (one may be the same image, encoded afresh)
         out.evicted_encoder_hashes.extend(self.encoder_cache.take_abandoned())
         # interruptible only where there is something to give up: prompt rows (run eager, with
-        # safe points between layers) or encoder work (between items)
+        # safe points in every layer) or encoder work (between items)
         out.interruptible = budget.interruptible and bool(prefill_tokens or out.encoder_work)
         if not prefill_tokens:
             budget.features.force_eager = False  # no prompt rows: decodes run as they always do

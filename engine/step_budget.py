@@ -124,8 +124,8 @@ class StepBudget:
         ``interruptible``: no interactive request is in the engine at all. With
         ``interrupt_points`` the step may then run that many step bounds
         (:meth:`interruptible_bound_s`) and is priced as the eager forward it will run (the
-        one with safe points between layers, engine/step_interrupt.py): a chat that arrives
-        meanwhile waits about one layer, one step bound, as under short steps, and camera
+        one with safe points in every layer, engine/step_interrupt.py): a chat that arrives
+        meanwhile waits about half a layer, under one step bound as with short steps, and camera
         prompts pay the per-step weight read once per several hundred tokens, not per ~100.
 
         Interactive prompts with no interactive stream decoding (``interactive_prompts`` and
@@ -134,8 +134,8 @@ class StepBudget:
         step size (first come, first served within a class), so the bound would buy nothing
         and cost throughput. Eight chats sent at once prefilled two prompts a step and the
         other six in small chunks beside their decodes: 13.5 % below a fixed 2,048-token
-        budget on a 2-core Zen 5 EPYC (``benchmarks.default_cost``). Camera work after them
-        in the same step still gets the ITL target at most.
+        budget on a 2-core Zen 5 EPYC (``benchmarks.default_cost``). Camera work does not
+        join a step with an interactive prompt in it at all (``Scheduler.schedule``).
 
         Why not the ITL target for interactive prompts too: it protects chat streams from
         camera work, and applied between chat requests it starved the waiting ones. Eight

@@ -66,6 +66,49 @@ def test_interactive_request_is_scheduled_the_step_after_it_arrives(tiny_qwen2_v
     assert done["cam"] == alone
 
 
+@pytest.mark.parametrize("time_sized", [True, False])
+def test_a_chat_prompts_step_carries_no_batch_work_under_time_sized_steps(
+    tiny_qwen2_vl, time_sized
+):
+    """Under steps sized by time, the step that prefills a chat's prompt carries no camera
+    prompt chunk and no camera encoding (its first token waits for nothing batch); the camera
+    goes on beside the chat's decodes. A fixed token budget shares the step as before."""
+    kw = {"max_step_ms": "30", "interruptible_steps": False} if time_sized else {}
+    budget = {} if time_sized else {"max_num_batched_tokens": 256}
+    _, eng = _engine(tiny_qwen2_vl, enable_prefix_caching=False, **kw, **budget)
+    eng.scheduler.cost_model = StepCostModel(coefficients=SYNTHETIC_COSTS)
+    assert eng.scheduler.config.limits.time_sized == time_sized
+    frames = {"cam": _frame_conv(), "cam2": _frame_conv(seed=32)}
+    for rid, conv in frames.items():
+        eng.add_request(rid, conv, GREEDY, priority="batch")
+    eng.step()
+    cam = eng.scheduler.requests["cam"]
+    assert cam.num_computed_tokens < cam.num_prompt_tokens, "the camera is mid-way"
+    eng.add_request("chat", text_conv("hi there"), GREEDY, priority="interactive")
+    sched = eng.scheduler.schedule()
+    prompts = [c.request_id for c in sched.chunks if not c.is_decode]
+    assert prompts[0] == "chat"
+    if time_sized:
+        assert prompts == ["chat"] and not sched.encoder_work, "nothing batch beside it"
+    else:
+        assert set(prompts) > {"chat"}, "a fixed budget shares the step"
+    result = eng.runner.execute(sched)
+    eng.scheduler.update_from_output(sched, result.sampled, result.encoder_progress)
+    assert eng.scheduler.requests["chat"].output_token_ids, "its first token, in that step"
+    if time_sized:
+        sched = eng.scheduler.schedule()
+        assert any(c.request_id == "chat" and c.is_decode for c in sched.chunks)
+        assert sched.encoder_work or {c.request_id for c in sched.chunks} & set(frames), (
+            "the camera goes on beside the chat's decodes"
+        )
+        result = eng.runner.execute(sched)
+        eng.scheduler.update_from_output(sched, result.sampled, result.encoder_progress)
+    done = _run_to_completion(eng)
+    alone = LLM(str(tiny_qwen2_vl), dtype="float32")
+    for rid, conv in frames.items():
+        assert done[rid] == alone.chat(conv, GREEDY)[0].outputs[0].token_ids, rid
+
+
 def test_expired_batch_requests_cost_no_compute_and_are_counted(tiny_qwen2_vl):
     clock = FakeClock()
     _, eng = _engine(tiny_qwen2_vl, clock, max_num_batched_tokens=16)

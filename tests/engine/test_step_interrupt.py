@@ -51,7 +51,7 @@ def _finish(eng: LLMEngine) -> dict[str, list[int]]:
 
 
 class _RaiseAtCheck(StepInterrupt):
-    """Fault injection: the ``n``-th safe point between decoder layers finds a chat queued
+    """Fault injection: the ``n``-th safe point of the eager forward finds a chat queued
     (``requested`` stays False, so the vision items before it all run)."""
 
     def __init__(self, n: int) -> None:
@@ -138,8 +138,33 @@ def test_a_step_given_up_before_it_starts_changes_nothing(tiny_qwen2_vl):
     assert _finish(eng) == {"cam": expected}
 
 
+class _CountChecks(StepInterrupt):
+    """Counts the eager forward's safe points; never gives the step up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def check(self) -> None:
+        self.calls += 1
+
+
+def test_safe_points_come_after_each_layers_attention_and_between_layers(tiny_qwen2_vl):
+    """A chat waits for half a layer, not a whole one: 2 x layers - 1 safe points."""
+    eng = _engine(tiny_qwen2_vl)
+    counter = _CountChecks()
+    eng.runner.interrupt = counter
+    eng.add_request("report", text_conv("words " * 40), FEW, priority="batch")
+    sched = eng.scheduler.schedule()
+    assert sched.interruptible and sched.num_prefill_tokens > 0
+    result = eng.runner.execute(sched)
+    assert not result.interrupted
+    assert counter.calls == 2 * len(eng.model.layers) - 1
+
+
+# check 1 is after layer 0's attention (mid-layer), check 2 after layer 0
 @pytest.mark.parametrize("at_check", [1, 2])
-def test_a_forward_given_up_between_layers_is_run_again_exactly(tiny_qwen2_vl, at_check):
+def test_a_forward_given_up_at_a_safe_point_is_run_again_exactly(tiny_qwen2_vl, at_check):
     """The layers already run wrote KV rows for the chunk; the rerun writes them again, so
     the tokens are those of a step never interrupted (text and image prompts, decodes)."""
     convs = {"cam": _frame(5), "report": text_conv("words " * 120)}
@@ -150,7 +175,7 @@ def test_a_forward_given_up_between_layers_is_run_again_exactly(tiny_qwen2_vl, a
     eng.runner.interrupt = injected
     for _ in range(4):  # the first step may be the frame's encoding alone
         computed = {rid: eng.scheduler.requests[rid].num_computed_tokens for rid in convs}
-        eng.step()  # its prompt rows run eager: check n is after layer n - 1
+        eng.step()  # its prompt rows run eager
         if injected.calls >= at_check:
             break
     assert injected.calls == at_check and eng.get_stats().num_interrupted_steps == 1
