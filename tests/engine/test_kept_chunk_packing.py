@@ -169,3 +169,36 @@ def test_a_preempted_prompt_starts_under_a_new_key(tiny_qwen2_vl) -> None:
     after = set().union(*keys_seen)
     assert len(after) == 1 and after.isdisjoint(before)
     assert not runner._prompt_keys and runner.fused_decoder.kept_contexts() == 0
+
+
+def test_a_prompt_done_in_one_chunk_keeps_nothing_and_pushes_no_one_out(tiny_qwen2_vl) -> None:
+    """A chat prompt prefilled in one step has no next chunk to keep packing for: it gets no
+    key, so the prompts mid-prefill beside it (camera frames) keep theirs."""
+    llm = LLM(
+        model=str(tiny_qwen2_vl),
+        dtype="bfloat16",
+        block_size=BLOCK,
+        max_num_batched_tokens=12,
+        long_prefill_token_threshold=3,  # 3 rows of each of the 4 frames a step
+    )
+    runner, engine = llm.engine.runner, llm.engine
+    for rid in ("f1", "f2", "f3", "f4"):
+        engine.add_processed(
+            rid,
+            engine.process_inputs({"prompt_token_ids": list(range(100, 160))}),
+            SamplingParams(max_tokens=2, temperature=0),
+            priority="batch",
+        )
+    engine.step()
+    assert len(runner._prompt_keys) == 4, "every frame has run a chunk"
+    kept_keys = dict(runner._prompt_keys)
+    assert runner.fused_decoder.kept_contexts() == 4
+    engine.add_processed(
+        "chat",
+        engine.process_inputs({"prompt_token_ids": list(range(200, 203))}),
+        SamplingParams(max_tokens=2, temperature=0),
+    )
+    engine.step()
+    assert engine.scheduler.requests["chat"].output_token_ids, "prefilled in that one step"
+    assert runner._prompt_keys == kept_keys, "no key for it; the frames' stay"
+    assert runner.fused_decoder.kept_contexts() == 4
