@@ -83,10 +83,6 @@ from dataclasses import dataclass
 import numpy as np
 
 ROW_KNOTS = (8, 32, 128, 512)
-# recent steps whose wall/CPU ratio says how shared the cores are, and the quantile of it past
-# which a step's wall time is taken as held up by others (StepCostModel.observe)
-SHARING_WINDOW = 256
-SHARING_QUANTILE = 0.75
 FEATURES = (
     "fixed",
     "prefill_tokens",
@@ -219,11 +215,6 @@ class StepCostModel:
         coefficients: dict[str, float] | None = None,
     ) -> None:
         self.buckets: dict[tuple, deque[tuple[np.ndarray, float]]] = {}
-        # wall over the step thread's CPU time of recent steps: how much the machine is
-        # shared at the moment (see observe)
-        self.sharing: deque[float] = deque(maxlen=SHARING_WINDOW)
-        self._typical_sharing: float | None = None  # its quantile, refreshed every 16 steps
-        self._since_sharing = 0
         self.per_bucket = per_bucket
         self.refit_every = refit_every
         self.min_samples = min_samples
@@ -242,29 +233,12 @@ class StepCostModel:
         return self.coef is not None
 
     def observe(
-        self,
-        features: StepFeatures,
-        seconds: float,
-        encoder_s: float | None = None,
-        cpu_s: float | None = None,
+        self, features: StepFeatures, seconds: float, encoder_s: float | None = None
     ) -> None:
         """One step's time. ``encoder_s``: the part of it the encoder work took, when timed:
-        the encoder prices are then fitted on it and the rest of the model on the remainder.
-
-        ``cpu_s``: the step thread's own CPU time in it, when known. A step whose wall time
-        stands out against it (past the ``SHARING_QUANTILE`` of recent steps' wall/CPU) was
-        held up by something else on the cores, not by its shape, and is learnt at that
-        quantile's wall time for its CPU time. In a server on 2 cores, the steps that
-        prefill a newly arrived chat ran 1.8-2.3x their CPU time (the front end parses and
-        tokenises the request meanwhile) against 1.3x for the steps around them; learnt as
-        measured, they raised the price of any prompt chunk beside decodes (``mixed_step``)
-        from 0.7 to 5 ms within 20 s of 4 chat streams alone; in another run camera prompts
-        beside chat then starved for 44 s with a fifth of each step unused, a 1-token chunk
-        priced past the room the ITL target left (2-core AMX Xeon,
-        ``benchmarks.interactive_first`` step traces and ``/metrics`` coefficients)."""
+        the encoder prices are then fitted on it and the rest of the model on the remainder."""
         if self.fixed:
             return
-        seconds = self._unshared(seconds, cpu_s)
         if encoder_s is not None and features.encoder_items > 0:
             key = min(features.encoder_items, 4)
             kept = self.encoder_samples.setdefault(key, deque(maxlen=self.per_bucket))
@@ -279,19 +253,6 @@ class StepCostModel:
             self.coef is None or self.since_fit >= self.refit_every
         ):
             self._fit()
-
-    def _unshared(self, seconds: float, cpu_s: float | None) -> float:
-        if cpu_s is None or cpu_s <= 0 or seconds <= 0:
-            return seconds
-        self.sharing.append(seconds / cpu_s)
-        if len(self.sharing) < SHARING_WINDOW // 4:
-            return seconds
-        self._since_sharing += 1
-        if self._typical_sharing is None or self._since_sharing >= 16:  # ~60 us a quantile
-            ratios = np.fromiter(self.sharing, float)
-            self._typical_sharing = float(np.quantile(ratios, SHARING_QUANTILE))
-            self._since_sharing = 0
-        return min(seconds, cpu_s * self._typical_sharing)
 
     def refit(self) -> None:
         """Fit now on every sample held (after a batch of observations, e.g. a cached

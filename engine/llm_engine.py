@@ -371,7 +371,7 @@ class LLMEngine:
         if result is not None and result.interrupted:
             s.num_interrupted_steps += 1  # its time is no price of what it was sized for
         else:
-            self.scheduler.cost_model.observe(sched.features, elapsed, encoder_s, cpu_s)
+            self.scheduler.cost_model.observe(sched.features, elapsed, encoder_s)
         if self.step_trace is not None:
             self.step_trace.record(sched, result, elapsed, cpu_s)
         s.num_steps += 1

@@ -343,37 +343,6 @@ def test_cost_model_learns_that_a_few_rows_ride_along_for_free():
         assert model.predict(probe) == pytest.approx(truth(probe), rel=0.1)
 
 
-def test_steps_held_up_by_others_on_the_cores_do_not_raise_the_shapes_price():
-    """The steps that prefill a newly arrived chat run long for their CPU time (the front end
-    works meanwhile): learnt at wall time they price every prompt row beside decodes as if it
-    cost the front end's work. With the step thread's CPU time given, such outliers are learnt
-    at the usual wall/CPU ratio; without it, as measured."""
-
-    def truth(f: StepFeatures) -> float:  # CPU seconds of the step thread
-        mixed = f.prefill_tokens > 0 and f.decode_tokens > 0
-        return 0.012 + 0.0005 * f.decode_tokens + 0.0004 * f.prefill_tokens + 0.0007 * mixed
-
-    shared = 1.3  # a server's steps run 1.3x their CPU time on 2 cores
-    decodes = [StepFeatures(decode_tokens=d) for d in (1, 2, 3, 4)]
-    chat_arrivals = [StepFeatures(decode_tokens=3, prefill_tokens=p) for p in (3, 6, 12, 20)]
-    prompts = [StepFeatures(prefill_tokens=p) for p in (16, 64, 256)]
-    probe = StepFeatures(decode_tokens=4, prefill_tokens=2)
-    expected = shared * truth(probe) - shared * truth(StepFeatures(decode_tokens=4))
-
-    def learnt(with_cpu: bool) -> float:
-        model = StepCostModel(refit_every=1)
-        for i in range(40):
-            for f in decodes + prompts:
-                cpu = truth(f) * (1 + 0.02 * (i % 5))  # a little jitter
-                model.observe(f, cpu * shared, cpu_s=cpu if with_cpu else None)
-            f = chat_arrivals[i % len(chat_arrivals)]
-            model.observe(f, truth(f) * 2.2, cpu_s=truth(f) if with_cpu else None)
-        return model.predict(probe) - model.predict(StepFeatures(decode_tokens=4))
-
-    assert learnt(with_cpu=True) == pytest.approx(expected, rel=0.25)
-    assert learnt(with_cpu=False) > 3 * expected, "the fault this guards against"
-
-
 def test_cost_model_learns_the_eager_forward_premium():
     """With the fused decode kernel, decode-only steps of <= 8 rows skip the eager path's
     per-op overhead; steps with prefill pay it. The fit must price that jump, not smear it
