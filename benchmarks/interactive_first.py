@@ -18,6 +18,8 @@
    read a share of 0 or below).
 
     python -m benchmarks.interactive_first [--mode default] [--dtype auto]
+    python -m benchmarks.interactive_first --ttft-only --ttft-rounds 3 --chat-requests 8 \
+        --chat-gap-s 0.4   # figure 1 alone, its rounds pooled (more requests, less noise)
 
 Modes are ``benchmarks.serve_mixed``'s (``default`` = the server's own flags).
 """
@@ -182,6 +184,29 @@ def chat_share_from_trace(trace: Path, window: list[float], chat_scale: float = 
     }
 
 
+async def run_ttft_only(base_url: str, args) -> dict:
+    """Figure 1 only, ``--ttft-rounds`` times: the requests sent while frames were in flight
+    pooled against all those sent alone."""
+    d = Driver(base_url, args)
+    await d.chat(0, 4)  # warm-up
+    alone, loaded = [], []
+    for _ in range(args.ttft_rounds):
+        alone += (await ttft_phase(d, with_frames=False))["ttft_s"]
+        phase = await ttft_phase(d, with_frames=True)
+        loaded += [t for t, n in zip(phase["ttft_s"], phase["frames_in_flight"], strict=True) if n]
+    await d.client.close()
+    if not loaded:  # the frames were done before any chat was sent
+        log("no chat request found frames in flight: raise --frames or lower --chat-gap-s")
+        return {"ttft_alone_s": alone, "ttft_with_frames_s": [], "ttft_ratio": None}
+    ratio = statistics.median(loaded) / statistics.median(alone)
+    log(
+        f"chat TTFT p50 alone {statistics.median(alone) * 1e3:.1f} ms, with {args.frames} "
+        f"frames in flight {statistics.median(loaded) * 1e3:.1f} ms ({ratio:.2f}x; p90 "
+        f"{sorted(loaded)[int(0.9 * len(loaded))] * 1e3:.0f} ms) over {len(loaded)} requests"
+    )
+    return {"ttft_alone_s": alone, "ttft_with_frames_s": loaded, "ttft_ratio": ratio}
+
+
 async def run(base_url: str, args) -> dict:
     d = Driver(base_url, args)
     await d.chat(0, 4)  # warm-up
@@ -249,8 +274,18 @@ def main() -> None:
     ap.add_argument(
         "--server-args", default="", help="extra server flags, e.g. '--step-trace steps.jsonl'"
     )
+    ap.add_argument("--ttft-only", action="store_true", help="figure 1 only")
+    ap.add_argument("--ttft-rounds", type=int, default=1, help="with --ttft-only")
     ap.add_argument("--out", default="interactive_first.json")
     args = ap.parse_args()
+    if args.ttft_only:
+        port = free_port()
+        cmd, _ = server_command(args.mode, bench_checkpoint(args.family, args.model), port, args)
+        with running_server(cmd, port):
+            res = asyncio.run(run_ttft_only(f"http://127.0.0.1:{port}/v1", args))
+        res["args"] = vars(args)
+        save_json(args.out, res)
+        return
 
     model = bench_checkpoint(args.family, args.model)
     port = free_port()

@@ -145,6 +145,22 @@ def test_interactive_first_script(tiny_qwen2_vl, results):
     assert share["chat_decode_scale"] > 0 and 0 <= share["share_left"] <= 1
 
 
+@pytest.mark.slow
+def test_interactive_first_ttft_only(tiny_qwen2_vl, results):
+    _run(
+        "benchmarks.interactive_first", "--ttft-only", "--ttft-rounds", "2",
+        "--model", str(tiny_qwen2_vl), "--dtype", "float32", "--frames", "2",
+        "--chat-requests", "2", "--chat-tokens", "3", "--chat-gap-s", "0.01",
+        "--frames-head-start-s", "0", "--image-size", "112x112", "--camera-tokens", "64",
+        "--out", "t.json",
+        results=results,
+    )  # fmt: skip
+    data = json.loads((results / "t.json").read_text())
+    assert len(data["ttft_alone_s"]) == 4  # 2 requests a round, 2 rounds
+    assert len(data["ttft_with_frames_s"]) <= 4
+    assert data["ttft_ratio"] is None or data["ttft_ratio"] > 0
+
+
 def test_chat_share_scales_the_predicted_chat_part_by_what_it_measured_alone(tmp_path):
     """The camera's share of a step is its time past the chat decodes' part; that part is
     the cost model's prediction times measured / predicted of the decode-only chat steps while
