@@ -94,7 +94,8 @@ class DecoderLayer(nn.Module):
         the attention and the MLP: a chat arriving during a long camera step waits for one of
         the two, not a whole layer. For a 1,200-token chunk (bench, bf16, 2-core AMX Xeon) a
         layer took ~60 ms, the attention ~45 % of it. Pieces of the MLP by rows would cut the
-        wait further but cost the step 5-15 % at 256-512 rows (oneDNN's GEMM past that)."""
+        wait further but cost the step: ~15 % in 256-row pieces, 1-5 % in 512-row ones there
+        (one noisy series of runs), so the MLP stays whole."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
         if safe_point is not None:
             safe_point()
