@@ -277,11 +277,13 @@ class Scheduler:
                 cached_blocks = self._cached_prefix(req)
             computed = max(req.num_computed_tokens, len(cached_blocks) * self.kv.block_size)
             n = self._chunk_size(req, computed, budget.tokens_left, prefill_scheduled)
+            # an interactive prompt's work (a chunk, or its image's encoding) keeps batch out
+            claims_step = req.priority is Priority.INTERACTIVE and self.config.limits.time_sized
             encoding_before = len(out.encoder_work)
             if n and req.prompt.images:
                 n = self._gate_on_images(req, computed, n, budget, out)
                 n = min(n, max(0, budget.tokens_left))  # encoder work and tokens share it
-            if req.priority is Priority.INTERACTIVE and self.config.limits.time_sized:
+            if claims_step:
                 interactive_prompt_work |= len(out.encoder_work) > encoding_before
             if n and budget.limit_s is not None:
                 n = self._fit_or_defer(req, computed, n, budget)
@@ -300,8 +302,7 @@ class Scheduler:
             elif not self._reserve(req, n, scheduled, out):
                 continue
             req.deferred_steps = 0
-            if req.priority is Priority.INTERACTIVE and self.config.limits.time_sized:
-                interactive_prompt_work = True
+            interactive_prompt_work |= claims_step
             budget.add_chunk(computed, n)
             self._emit(req, n, out, now)
             scheduled.add(req.request_id)
