@@ -179,6 +179,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_expired = 0
         self.num_aborted = 0
+        # the last step with interactive work in the engine (see _quiet_since_chat)
+        self.last_interactive_time = -math.inf
 
     # ---- queue management -----------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -252,13 +254,18 @@ class Scheduler:
         interactive_active = interactive_decoding or any(
             r.priority is Priority.INTERACTIVE for r in self.running + self.waiting
         )
+        if interactive_active:
+            self.last_interactive_time = now
         budget.open_prefill(
-            interactive_decoding, interactive_prompts, interruptible=not interactive_active
+            interactive_decoding,
+            interactive_prompts,
+            interruptible=not interactive_active and self._quiet_since_chat(budget, now),
         )
         prefill_scheduled = False
         prefill_tokens = 0
         restricted = False
         interactive_prompt_work = False
+        progressed: set[Priority] = set()  # classes that got prompt work in this step
         for req in sorted(candidates, key=_rank):
             if budget.tokens_left < 1:
                 break
@@ -280,13 +287,15 @@ class Scheduler:
             # an interactive prompt's work (a chunk, or its image's encoding) keeps batch out
             claims_step = req.priority is Priority.INTERACTIVE and self.config.limits.time_sized
             encoding_before = len(out.encoder_work)
+            queued_behind_peer = req.priority in progressed
             if n and req.prompt.images:
-                n = self._gate_on_images(req, computed, n, budget, out)
+                n = self._gate_on_images(req, computed, n, budget, out, queued_behind_peer)
                 n = min(n, max(0, budget.tokens_left))  # encoder work and tokens share it
-            if claims_step:
-                interactive_prompt_work |= len(out.encoder_work) > encoding_before
+            if len(out.encoder_work) > encoding_before:
+                progressed.add(req.priority)
+                interactive_prompt_work |= claims_step
             if n and budget.limit_s is not None:
-                n = self._fit_or_defer(req, computed, n, budget)
+                n = self._fit_or_defer(req, computed, n, budget, queued_behind_peer)
             if n == 0:
                 continue
             if is_waiting:
@@ -303,6 +312,7 @@ class Scheduler:
                 continue
             req.deferred_steps = 0
             interactive_prompt_work |= claims_step
+            progressed.add(req.priority)
             budget.add_chunk(computed, n)
             self._emit(req, n, out, now)
             scheduled.add(req.request_id)
@@ -330,6 +340,21 @@ class Scheduler:
             prefill_tokens if budget.limit_s is not None else budget.tokens_left + prefill_tokens
         )
         return out
+
+    def _quiet_since_chat(self, budget: StepBudget, now: float) -> bool:
+        """Whether interactive work has been out of the engine long enough for an
+        interruptible step: at least the time such a step may run.
+
+        Why: an interrupted step's prompt rows are lost (engine/step_interrupt.py). A chat
+        client that sends its next request right after the last one ends (an agent loop, a
+        user sending several questions) lands in every such step: on a 2-core AVX2 EPYC one
+        chat stream of 4-token requests beside a camera frame gave up every interruptible step
+        (300-650 tokens of the frame each, ~3 s of compute in every 10 s), and a frame waited
+        65 s, in one benchmark run 600 s without a token. Within that time of the last chat
+        the batch work runs in plain short steps, which keep their work and hold an arriving
+        chat to one step bound as well."""
+        bound = budget.interruptible_bound_s()
+        return bound is None or now - self.last_interactive_time >= bound
 
     def _hold_batch_decodes(self, out: SchedulerOutput, budget: StepBudget) -> None:
         """Take camera decodes out of a step that would run the language model for them alone.
@@ -381,12 +406,22 @@ class Scheduler:
             self.config.fused_gemv_rows,
         )
 
-    def _fit_or_defer(self, req: Request, start: int, n: int, budget: StepBudget) -> int:
+    def _fit_or_defer(
+        self, req: Request, start: int, n: int, budget: StepBudget, queued_behind_peer: bool
+    ) -> int:
         """The largest chunk the step's time allows; a prefill deferred for
         ``max_deferred_steps`` steps gets a chunk anyway (no starvation): one block's worth,
-        or the rows the fused kernel still takes, so the forced step stays a fused one."""
+        or the rows the fused kernel still takes, so the forced step stays a fused one.
+
+        ``queued_behind_peer``: an earlier request of its class got prompt work in this step.
+        That is first come, first served, not starvation, and counts no deferral: six camera
+        frames queued beside four chat streams each forced a block or an encoder item every
+        17th step, out of the older frames' share, so all six finished late together (the
+        first frame's TTFT 147 s against ~65 s for the first of two; 2-core AVX2 EPYC)."""
         k = budget.fit_chunk(start, n, interactive=req.priority is Priority.INTERACTIVE)
         if k == 0:
+            if queued_behind_peer:
+                return 0
             req.deferred_steps += 1
             if req.deferred_steps > self.config.max_deferred_steps:
                 return min(n, budget.starved_chunk(self.kv.block_size, start))
@@ -394,7 +429,13 @@ class Scheduler:
 
     # ---- stall-free encoding --------------------------------------------------------------
     def _gate_on_images(
-        self, req: Request, start: int, n: int, budget: StepBudget, out: SchedulerOutput
+        self,
+        req: Request,
+        start: int,
+        n: int,
+        budget: StepBudget,
+        out: SchedulerOutput,
+        queued_behind_peer: bool = False,
     ) -> int:
         """Advance the encoding of images this chunk reaches; cut the chunk before the first
         image whose embeddings will not be ready by the end of this step.
@@ -410,7 +451,7 @@ class Scheduler:
             if h not in out.encoder_work:
                 self._pin_image(req, im, out)
                 text_before = max(0, im.offset - start)  # the chunk's tokens ahead of it
-                units = self._encoder_allowance(budget, text_before, req)
+                units = self._encoder_allowance(budget, text_before, req, queued_behind_peer)
                 if units > 0:
                     out.encoder_work[h] = units
                     left = self.encoder_cache.encoding_left(h)
@@ -434,13 +475,18 @@ class Scheduler:
         if must_encode:
             out.encoder_jobs.append(EncoderJob(im.content_hash, im.pixel_values, im.grid_thw))
 
-    def _encoder_allowance(self, budget: StepBudget, reserved_tokens: int, req: Request) -> float:
+    def _encoder_allowance(
+        self, budget: StepBudget, reserved_tokens: int, req: Request, queued_behind_peer: bool
+    ) -> float:
         """Encoder work (units) this step may carry: the budget's tokens and time left. 0
-        defers it (a starved job still gets one work item now and then)."""
+        defers it (a starved job still gets one work item now and then; one queued behind an
+        earlier request of its class that progressed in this step is not starved)."""
         if not self.config.enable_chunked_encoder:
             return math.inf
         units = budget.encoder_allowance(reserved_tokens, batch=req.priority is Priority.BATCH)
         if units <= 0:
+            if queued_behind_peer:
+                return 0.0
             req.deferred_steps += 1
             if req.deferred_steps > self.config.max_deferred_steps:
                 req.deferred_steps = 0

@@ -403,7 +403,8 @@ def test_fused_decode_logits_match_eager(tiny_checkpoint) -> None:
     # long contexts: the kernel splits a row's keys across tasks and merges the partial softmaxes
     llm.chat([text_conv("word " * 600), text_conv("other words " * 200)], params)
     sizes = {fused.shape[0] for fused, _ in pairs.pairs}
-    assert {1, 6, 12, 20} <= sizes
+    # 20 rows where the plan's kernel takes them (AVX2 builds stop at 16: eager past that)
+    assert {n for n in (1, 6, 12, 20) if n <= runner.fused_decode_rows} <= sizes
     if runner.fused_decode_rows > runner.UNPACKED_MAX_ROWS:  # packed weights: both paths ran
         assert any(n <= runner.gemv_max_rows for n in sizes)
         assert any(n > runner.gemv_max_rows for n in sizes)

@@ -551,6 +551,27 @@ def test_starved_frames_beside_chat_never_push_a_step_out_of_the_fused_kernel(ti
     assert all(eng.scheduler.requests[f"cam{i}"].num_computed_tokens > 0 for i in range(3))
 
 
+def test_a_camera_prompt_queued_behind_a_progressing_one_is_not_forced_in(tiny_qwen2_vl):
+    """Two camera prompts beside a chat stream, the ITL target leaving room for a few prompt
+    tokens a step: the older takes that room every step and the younger waits its turn
+    (first come, first served). The starvation guard is for a class that gets nothing: six
+    frames beside four chat streams each forced a block or an encoder item every 17th step
+    out of the older frames' share, and all six finished late together."""
+    _, eng = _engine(tiny_qwen2_vl, target_itl_ms="8.5", enable_prefix_caching=False)
+    chat = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    eng.add_request("chat", text_conv("chat"), chat)
+    while any(r.is_prefill for r in eng.scheduler.running) or eng.scheduler.waiting:
+        _run(eng, eng.scheduler.schedule())
+    for rid in ("older", "younger"):
+        eng.add_request(rid, text_conv("frame " * 150), FEW, priority="batch")
+    older, younger = (eng.scheduler.requests[rid] for rid in ("older", "younger"))
+    for _ in range(eng.scheduler.config.max_deferred_steps + 4):
+        before = older.num_computed_tokens
+        _run(eng, eng.scheduler.schedule())
+        assert older.is_prefill and older.num_computed_tokens > before, "older: every step"
+        assert younger.num_computed_tokens == 0, "younger: after the older one"
+
+
 # ---- the fused kernel's GEMV and oneDNN's GEMM past it ----------------------------------------
 GEMV_JUMP = {"fixed": 0.001, "lm_forward": 0.012, "decode_tokens": 0.0005,
              "prefill_tokens": 0.0005, "past_gemv": 0.01}  # fmt: skip

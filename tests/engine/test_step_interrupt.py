@@ -97,7 +97,8 @@ def test_interruptible_prompt_steps_skip_the_fused_kernel_and_decodes_keep_it(ti
     eng = _engine(tiny_qwen2_vl, dtype="bfloat16")
     runner = eng.runner
     assert runner.fused_prefill_rows > 0 and runner.fused_decode_rows > 0
-    eng.add_request("report", text_conv("words " * 4), FEW, priority="batch")
+    # a raw prompt of a few tokens: a chat template's ~45 would pass AVX2's 16-row kernel
+    eng.add_request("report", "words " * 4, FEW, priority="batch")
     sched = eng.scheduler.schedule()
     assert sched.interruptible and 0 < sched.num_prefill_tokens <= runner.fused_prefill_rows
     assert sched.features.eager_forward
@@ -109,6 +110,29 @@ def test_interruptible_prompt_steps_skip_the_fused_kernel_and_decodes_keep_it(ti
     sched = eng.scheduler.schedule()
     assert sched.num_decode_tokens == 1 and not sched.num_prefill_tokens
     assert not sched.interruptible and not sched.features.eager_forward
+
+
+def test_steps_stay_short_for_one_long_step_after_a_chat(tiny_qwen2_vl):
+    """A chat client that sends its next request as soon as the last one ends would land in
+    every interruptible step and throw its prompt rows away (a frame beside one chat stream
+    of short requests waited 65-600 s). For as long as an interruptible step may run after
+    interactive work leaves the engine, batch-only steps are plain short ones; then long."""
+    eng = _engine(tiny_qwen2_vl)
+    clock = [100.0]
+    eng.scheduler.clock = lambda: clock[0]
+    eng.add_request("chat", text_conv("hi there"), FEW, priority="interactive")
+    _finish(eng)
+    eng.add_request("cam", _frame(7), FEW, priority="batch")
+    long_s = len(eng.model.layers) * BOUND_MS / 1e3
+    clock[0] += long_s / 2
+    sched = eng.scheduler.schedule()
+    assert not sched.interruptible and sched.target_s == pytest.approx(BOUND_MS / 1e3)
+    assert sched.num_prefill_tokens or sched.encoder_work, "the frame moves meanwhile"
+    result = eng.runner.execute(sched)
+    eng.scheduler.update_from_output(sched, result.sampled, result.encoder_progress)
+    clock[0] += long_s / 2
+    sched = eng.scheduler.schedule()
+    assert sched.interruptible and sched.target_s == pytest.approx(long_s)
 
 
 def test_off_keeps_every_step_under_the_bound(tiny_qwen2_vl):
