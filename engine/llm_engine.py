@@ -372,6 +372,7 @@ class LLMEngine:
             s.num_interrupted_steps += 1  # its time is no price of what it was sized for
         else:
             self.scheduler.cost_model.observe(sched.features, elapsed, encoder_s)
+            self.scheduler.observe_step(sched, elapsed)
         if self.step_trace is not None:
             self.step_trace.record(sched, result, elapsed, cpu_s)
         s.num_steps += 1

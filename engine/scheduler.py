@@ -29,7 +29,7 @@ from engine.encoder_cache import EncoderCacheManager
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Priority, Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.step_budget import StepBudget, StepLimits
+from engine.step_budget import BesideChatPace, StepBudget, StepLimits
 from engine.structured_output import GrammarState
 
 
@@ -95,6 +95,9 @@ class SchedulerOutput:
     # no interactive work in the engine: the runner may give the step up at its safe points
     # when a chat request is queued (engine/step_interrupt.py); its prompt rows run eager
     interruptible: bool = False
+    # batch work sized under the ITL target beside interactive decodes: how this step runs
+    # against its prediction paces the next such steps (Scheduler.observe_step)
+    paced: bool = False
     # predicted seconds of a step with the interactive decodes alone: the part of the step
     # chat would take without camera work (the step trace's share measure; None: none, or no
     # fitted cost model)
@@ -181,6 +184,7 @@ class Scheduler:
         self.num_aborted = 0
         # the last step with interactive work in the engine (see _quiet_since_chat)
         self.last_interactive_time = -math.inf
+        self.pace = BesideChatPace()
 
     # ---- queue management -----------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -266,6 +270,7 @@ class Scheduler:
         restricted = False
         interactive_prompt_work = False
         progressed: set[Priority] = set()  # classes that got prompt work in this step
+        prefill_tokens_batch = 0
         for req in sorted(candidates, key=_rank):
             if budget.tokens_left < 1:
                 break
@@ -313,6 +318,8 @@ class Scheduler:
             req.deferred_steps = 0
             interactive_prompt_work |= claims_step
             progressed.add(req.priority)
+            if req.priority is Priority.BATCH:
+                prefill_tokens_batch += n
             budget.add_chunk(computed, n)
             self._emit(req, n, out, now)
             scheduled.add(req.request_id)
@@ -331,6 +338,12 @@ class Scheduler:
         out.features = budget.features
         out.target_s = budget.limit_s
         out.interactive_decodes = interactive_decoding
+        out.paced = (
+            interactive_decoding
+            and restricted
+            and budget.limit_s is not None
+            and bool(prefill_tokens_batch or out.encoder_work)
+        )
         out.chat_decode_s = budget.decode_only_s(chat_contexts)
         if budget.limit_s is not None:
             out.predicted_s = budget.predicted_s
@@ -404,7 +417,14 @@ class Scheduler:
             self.config.encoder_unit_tokens,
             self.config.fused_prefill_rows,
             self.config.fused_gemv_rows,
+            pace=self.pace.ratio,
         )
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """A step that ran to its end: a paced one (batch work beside chat decodes under the
+        ITL target) tells how such steps run against their prediction."""
+        if out.paced and out.predicted_s:
+            self.pace.observe(seconds, out.predicted_s)
 
     def _fit_or_defer(
         self, req: Request, start: int, n: int, budget: StepBudget, queued_behind_peer: bool

@@ -17,7 +17,9 @@ granted), ``encoder_units`` / ``encoder_items`` / ``encoder_s`` (what ran and it
 ``item_overhead`` (units charged per item), ``forward_s`` (the language model's forward and
 sampling), ``chat_decode_s`` (predicted time of the step's interactive decodes alone: what chat
 would take of it without camera work), ``interruptible`` / ``interrupted`` (a batch-only step
-that may give way to a chat request, and whether it did: engine/step_interrupt.py).
+that may give way to a chat request, and whether it did: engine/step_interrupt.py), ``paced``
+(batch work beside chat decodes under the ITL target: its measured / predicted time paces the
+next such steps, ``engine.step_budget.BesideChatPace``).
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class StepTrace:
             "encoder_s": result.encoder_work_s if result else 0.0,
             "forward_s": result.forward_s if result else 0.0,
             "chat_decode_s": sched.chat_decode_s,
+            "paced": sched.paced,
             "interruptible": sched.interruptible,
             "interrupted": bool(result and result.interrupted),
         }

@@ -15,7 +15,13 @@ from engine import LLM, EngineArgs, SamplingParams
 from engine.config import TIME_SIZED_TOKEN_CAP
 from engine.cost_model import StepCostModel, StepFeatures
 from engine.llm_engine import LLMEngine
-from engine.step_budget import AUTO, STARVED_STEP_STRETCH, StepBudget, StepLimits
+from engine.step_budget import (
+    AUTO,
+    STARVED_STEP_STRETCH,
+    BesideChatPace,
+    StepBudget,
+    StepLimits,
+)
 from tests.engine.helpers import SYNTHETIC_COSTS, image_conv, noise_image, text_conv
 
 SYNTHETIC = SYNTHETIC_COSTS
@@ -570,6 +576,43 @@ def test_a_camera_prompt_queued_behind_a_progressing_one_is_not_forced_in(tiny_q
         _run(eng, eng.scheduler.schedule())
         assert older.is_prefill and older.num_computed_tokens > before, "older: every step"
         assert younger.num_computed_tokens == 0, "younger: after the older one"
+
+
+def test_the_pace_follows_measured_over_predicted_within_its_clip():
+    pace = BesideChatPace()
+    for _ in range(200):
+        pace.observe(0.0164, 0.0184)  # steps ran 11 % under their prediction
+    assert pace.ratio == pytest.approx(0.0164 / 0.0184, rel=1e-3)
+    for _ in range(200):
+        pace.observe(0.1, 0.01)  # a stalled front end: clipped, never 10x
+    assert pace.ratio == pytest.approx(pace.high, rel=1e-3)
+    pace.observe(0.01, 0.0)  # no prediction: no sample
+    assert pace.ratio == pytest.approx(pace.high, rel=1e-3)
+
+
+def test_batch_room_beside_chat_is_paced_by_how_such_steps_ran(tiny_qwen2_vl):
+    """Steps with camera work beside chat that ran under their prediction give the next ones
+    more room (the ITL target is in measured seconds); steps without batch work, or without
+    chat decoding, do not move the pace."""
+    _, eng = _engine(tiny_qwen2_vl, target_itl_ms="8.5", enable_prefix_caching=False)
+    chat = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    eng.add_request("chat", text_conv("chat"), chat)
+    while any(r.is_prefill for r in eng.scheduler.running) or eng.scheduler.waiting:
+        sched = eng.scheduler.schedule()
+        assert not sched.paced, "a chat's own prompt is not batch work"
+        eng.scheduler.observe_step(sched, 10.0)
+        _run(eng, sched)
+    assert eng.scheduler.pace.ratio == 1.0
+    eng.add_request("cam", text_conv("frame " * 150), FEW, priority="batch")
+    sched = eng.scheduler.schedule()
+    assert sched.paced and sched.target_s == pytest.approx(0.0085)
+    unpaced_tokens = sched.num_prefill_tokens
+    _run(eng, sched)
+    for _ in range(200):
+        eng.scheduler.observe_step(sched, 0.8 * sched.predicted_s)
+    sched = eng.scheduler.schedule()
+    assert sched.paced and sched.target_s == pytest.approx(0.0085 / 0.8, rel=1e-3)
+    assert sched.num_prefill_tokens > unpaced_tokens
 
 
 # ---- the fused kernel's GEMV and oneDNN's GEMM past it ----------------------------------------
