@@ -434,10 +434,11 @@ class Scheduler:
         or the rows the fused kernel still takes, so the forced step stays a fused one.
 
         ``queued_behind_peer``: an earlier request of its class got prompt work in this step.
-        That is first come, first served, not starvation, and counts no deferral: six camera
-        frames queued beside four chat streams each forced a block or an encoder item every
-        17th step, out of the older frames' share, so all six finished late together (the
-        first frame's TTFT 147 s against ~65 s for the first of two; 2-core AVX2 EPYC)."""
+        That is first come, first served, not starvation, and counts no deferral: with six
+        camera frames queued beside four chat streams each younger frame forced a block or an
+        encoder item every 17th step, out of the older frames' share (past the ITL target by
+        up to ``STARVED_STEP_STRETCH``), so frames finished later together rather than one by
+        one. (Not measured apart from session 28's other changes.)"""
         k = budget.fit_chunk(start, n, interactive=req.priority is Priority.INTERACTIVE)
         if k == 0:
             if queued_behind_peer:

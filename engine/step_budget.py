@@ -46,7 +46,8 @@ class BesideChatPace:
     a step without one (12.1 against 15.9 ms). Steps sized to an 18.4 ms target ran 16.4 ms:
     ~2 ms of every step the camera could have had went unused, and the chat ITL stood at 1.04x
     alone against the 1.25x it may take. Where steps run longer than predicted (a busy front
-    end), the same ratio above 1 shrinks the room and keeps the chat's ITL. An exponential
+    end), the same ratio above 1 shrinks the room for the chat's ITL (measured on that AVX2
+    machine only, where the ratio stayed 0.9-1.05). An exponential
     average over the last ~20 such steps, clipped to ``[low, high]``: a correction of the
     model's residual, never a second model."""
 
