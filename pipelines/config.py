@@ -387,8 +387,9 @@ class DetectorConfig(Section):
         gt=0.0,
         le=1.0,
         description="a box with at least this share of its area inside a box of its class "
-        "scoring twice as high is a part of it (a head-and-torso box) and dropped; null keeps "
-        "nested boxes",
+        "scoring twice as high is a part of it (a head-and-torso box) and dropped, and of two "
+        "such boxes at IoU 0.5 or more (one object) the lower-scored goes; null keeps nested "
+        "boxes",
     )
     imgsz: int = Field(640, ge=32, le=4096)
     classes: list[int] = Field(default_factory=lambda: [0], description="COCO 0 = person")
