@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from engine import openmp
 from engine.config import EngineArgs
 from engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from engine.llm_engine import LLMEngine
@@ -49,6 +50,11 @@ def lower_thread_priority(niceness: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, max(current, niceness))
     except (AttributeError, OSError) as exc:
         log.debug("could not lower the preprocessing thread's priority: %s", exc)
+
+
+def _batch_preprocess_thread() -> None:
+    lower_thread_priority(BATCH_PREPROCESS_NICENESS)
+    openmp.serial_thread()
 
 
 class RequestStream:
@@ -86,6 +92,9 @@ class RequestStream:
 class AsyncEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.engine = LLMEngine(args)
+        # the step loop's OpenMP team is to be the only one (engine/openmp.py): this thread's,
+        # left idle by loading and calibrating, would make every team sleep at each barrier
+        openmp.release_team()
         # this engine's callers stream chat tokens on the event loop between steps
         self.engine.runner.leave_a_core_to_the_front_end()
         self.args = args
@@ -100,7 +109,10 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._stats = self.engine.get_stats()
         workers = max(1, args.preprocess_workers)
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="preprocess")
+        # preprocessing runs torch serially: a team of its own would throttle the step loop's
+        self._pool = ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix="preprocess", initializer=openmp.serial_thread
+        )
         # camera frames are decoded at a lower OS priority: on a 2-core box three of them
         # arriving together took both cores from the step loop for 100-150 ms and every chat
         # stream's tokens waited with it. Interactive images keep the normal priority (their
@@ -108,8 +120,7 @@ class AsyncEngine:
         self._batch_pool = ThreadPoolExecutor(
             max_workers=workers,
             thread_name_prefix="preprocess-batch",
-            initializer=lower_thread_priority,
-            initargs=(BATCH_PREPROCESS_NICENESS,),
+            initializer=_batch_preprocess_thread,
         )
         self._stopping = False
         self._dead: BaseException | None = None

@@ -7,8 +7,10 @@ Whoever created the engine shuts it down.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
@@ -20,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine import openmp
 from vision_serve.auth import bearer_key_dependency
 from vision_serve.errors import APIError, install_error_handlers
 from vision_serve.media import MediaLoader
@@ -93,6 +96,11 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # asyncio.to_thread (image decoding, /tokenize's preprocessing) runs torch serially,
+        # beside the engine's step loop rather than in a second OpenMP team (engine/openmp.py)
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(thread_name_prefix="server-io", initializer=openmp.serial_thread)
+        )
         yield
         await media.aclose()
 

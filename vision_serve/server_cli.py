@@ -126,7 +126,7 @@ def run_serve(args: argparse.Namespace) -> int:
     the process), 3 if uvicorn could not start."""
     import uvicorn
 
-    from engine import AsyncEngine
+    from engine import AsyncEngine, openmp
     from engine.config import engine_args_from_namespace
     from engine.generation_config import GenerationConfigError
     from engine.model_source import ModelSourceError
@@ -151,6 +151,8 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ModelSourceError, StepTraceError) as exc:
         logger.error("%s", exc)
         return 2
+    # this process serves: the step loop's OpenMP team is the only one (engine/openmp.py)
+    openmp.serial_thread()
     logger.info(
         "model %s loaded in %.1fs; max_model_len=%s",
         engine.model_name,

@@ -315,3 +315,13 @@ def test_weight_prefetch_script(tiny_qwen2_vl, results):
     assert all(len(row) == variants for row in data["median_step_ms"].values())
     assert data["gemv_kind"] in ("dot", "amx-tiles")
     assert all(ms > 0 for row in data["median_step_ms"].values() for ms in row.values())
+
+
+def test_openmp_teams_script(results):
+    _run(
+        "benchmarks.openmp_teams", "--rounds", "1", "--iters", "200", "--out", "o.json",
+        results=results,
+    )  # fmt: skip
+    data = json.loads((results / "o.json").read_text())
+    assert set(data["median_us"]) == {"one team", "two teams"}
+    assert all(us > 0 for us in data["median_us"].values())
