@@ -95,8 +95,6 @@ class AsyncEngine:
         # the step loop's OpenMP team is to be the only one (engine/openmp.py): this thread's,
         # left idle by loading and calibrating, would make every team sleep at each barrier
         openmp.release_team()
-        # this engine's callers stream chat tokens on the event loop between steps
-        self.engine.runner.leave_a_core_to_the_front_end()
         self.args = args
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len

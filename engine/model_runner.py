@@ -6,11 +6,9 @@ It never looks at scheduler state; everything it needs arrives in the scheduler 
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -25,29 +23,6 @@ from engine.step_interrupt import StepInterrupt, StepInterrupted
 from engine.structured_output import BitmaskApplier
 
 log = logging.getLogger("engine.runner")
-
-
-def encoder_threads_beside_chat(device: torch.device) -> int | None:
-    """Threads for vision work in a step beside interactive decodes when a server streams
-    the tokens: one fewer than the engine's (None: leave them be, on a GPU or with one
-    thread). The offline ``LLM`` has no front end and keeps every thread.
-
-    Why: between steps the server streams the chat tokens just sampled (the event loop, and on
-    an edge box often the client too), and it does so while the next step's encoder piece
-    runs, as that comes first. With every core in the piece's parallel region, the thread
-    the front end preempts holds up the others: on a 2-core AVX2 EPYC under 4 streaming chats
-    a 16-row attention piece took 6.1 ms of wall time for 3.1 ms of its thread's CPU (1.9 ms
-    with nothing else running). On one thread the front end has the other core. Measured
-    there in three back-to-back pairs (server, 4 chat streams + 2 frames, ``--step-trace``):
-    encoder ms per unit beside chat 0.125 / 0.136 / 0.183 against 0.190 / 0.151 / 0.182 on
-    every thread, chat steps' p50 as short or shorter; the machine's noise decides how much
-    the front end contends, so the gain ranges from none to a third. The decoder forward
-    keeps every thread: it runs after the front end's burst, and its rows are the chat's.
-    """
-    if device.type != "cpu":
-        return None
-    threads = torch.get_num_threads()
-    return threads - 1 if threads > 1 else None
 
 
 @dataclass
@@ -95,8 +70,6 @@ class ModelRunner:
         # stop at their next safe point (None: no step ever stops early)
         self.interrupt: StepInterrupt | None = None
         self.encoder_rows_per_item = encoder_rows_per_item
-        # set by leave_a_core_to_the_front_end (the server's AsyncEngine); None: every thread
-        self.encoder_threads_beside_chat: int | None = None
         self.encode_jobs: dict[str, object] = {}  # content hash -> VisionEncodeJob in progress
         self._step_logprobs: dict[str, TokenLogprob] = {}  # filled by _sample, one step's
         self.block_size = block_size
@@ -294,12 +267,11 @@ class ModelRunner:
                 progress[h] = 0.0 if h in self.encoder_outputs else progress.get(h, 0.0)
                 continue
             before, t0 = job.items_run, time.perf_counter()
-            with self._encoder_threads(sched):
-                spent += job.advance(
-                    units,
-                    sched.encoder_item_overhead,
-                    stop=interrupt.requested if interrupt is not None else None,
-                )
+            spent += job.advance(
+                units,
+                sched.encoder_item_overhead,
+                stop=interrupt.requested if interrupt is not None else None,
+            )
             work_s += time.perf_counter() - t0
             items += job.items_run - before
             if job.done():
@@ -309,26 +281,6 @@ class ModelRunner:
             else:
                 progress[h] = job.remaining_cost
         return spent, items, work_s, progress
-
-    def leave_a_core_to_the_front_end(self) -> None:
-        """A server streams interactive tokens between steps: vision work beside them runs
-        on one thread fewer from now on (:func:`encoder_threads_beside_chat`)."""
-        self.encoder_threads_beside_chat = encoder_threads_beside_chat(self.device)
-
-    @contextlib.contextmanager
-    def _encoder_threads(self, sched: SchedulerOutput) -> Iterator[None]:
-        """Vision work beside interactive decodes runs on one thread fewer (see
-        :func:`encoder_threads_beside_chat`); elsewhere on all of them."""
-        threads = self.encoder_threads_beside_chat
-        if not sched.interactive_decodes or threads is None:
-            yield
-            return
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)
 
     def _forward_and_sample(
         self, sched: SchedulerOutput, interrupt: StepInterrupt | None = None

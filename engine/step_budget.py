@@ -41,13 +41,13 @@ class BesideChatPace:
 
     Why: the cost model prices each part of a step by its own clock, and beside chat the
     parts overlap in ways a linear model cannot see. On a 2-core AVX2 EPYC, four chat streams
-    beside camera frames: an encoder piece runs on one thread while the front end streams the
-    chat tokens on the other, and the decode forward after it then runs ~3 ms faster than in
-    a step without one (12.1 against 15.9 ms). Steps sized to an 18.4 ms target ran 16.4 ms:
-    ~2 ms of every step the camera could have had went unused, and the chat ITL stood at 1.04x
-    alone against the 1.25x it may take. Where steps run longer than predicted (a busy front
-    end), the same ratio above 1 shrinks the room for the chat's ITL (measured on that AVX2
-    machine only, where the ratio stayed 0.9-1.05). An exponential
+    beside camera frames, when encoder pieces ran on one thread (before engine/openmp.py) while
+    the front end streamed the chat tokens on the other, the decode forward after one ran ~3
+    ms faster than in a step without one (12.1 against 15.9 ms). Steps sized to an 18.4 ms
+    target ran 16.4 ms: ~2 ms of every step the camera could have had went unused, and the
+    chat ITL stood at 1.04x alone against the 1.25x it may take. Where steps run longer than
+    predicted (a busy front end), the same ratio above 1 shrinks the room for the chat's ITL
+    (measured on that AVX2 machine only, where the ratio stayed 0.9-1.05). An exponential
     average over the last ~20 such steps, clipped to ``[low, high]``: a correction of the
     model's residual, never a second model."""
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 from engine import LLM, AsyncEngine, EngineArgs, SamplingParams
 from engine.async_engine import BATCH_PREPROCESS_NICENESS
@@ -44,14 +43,6 @@ async def test_concurrent_requests_match_offline(async_engine, tiny_qwen2_vl):
         assert last.outputs[0].token_ids == ref.outputs[0].token_ids
         assert text == ref.outputs[0].text
         assert last.metrics.first_token_time >= last.metrics.first_scheduled_time
-
-
-def test_the_server_engine_leaves_a_core_to_its_front_end(async_engine):
-    """Encoder pieces beside chat decodes run on one thread fewer in the server (the offline
-    engine keeps them all: tests/engine/test_stall_free_encoding.py)."""
-    threads = torch.get_num_threads()
-    expected = threads - 1 if threads > 1 else None
-    assert async_engine.engine.runner.encoder_threads_beside_chat == expected
 
 
 async def test_bad_image_raises_before_streaming(async_engine):

@@ -64,13 +64,12 @@ def test_decode_steps_carry_no_more_encoder_work_than_the_budget(tiny_qwen2_vl):
     assert steps_with_encoder_work > 1, "the frame's encoding was spread over several steps"
 
 
-def test_encoder_work_beside_chat_decodes_leaves_a_core_to_the_front_end(
-    tiny_qwen2_vl, monkeypatch
-):
-    """Between steps the server streams the chat tokens while the next step's encoder piece
-    runs: that piece gets one thread fewer, so no thread of its parallel region waits on a core
-    the front end holds. Steps without interactive decodes encode on every thread, and so does
-    the offline engine, which has no front end."""
+def test_encoder_work_beside_chat_decodes_runs_on_every_thread(tiny_qwen2_vl, monkeypatch):
+    """Encoder pieces beside chat decodes once ran on one thread fewer, to leave the server's
+    front end a core; with the step loop's OpenMP team the only one (engine/openmp.py) that
+    cost more than it saved: on a 2-core AVX2 EPYC, 4 chat streams + 2 frames, two pairs of
+    server runs, encoder us/unit beside chat 83/67 on every thread against 126/111 on one,
+    and chat ITL p50 22.0/20.3 against 26.1/25.5 ms."""
     threads_before = torch.get_num_threads()
     try:
         llm = LLM(
@@ -81,8 +80,6 @@ def test_encoder_work_beside_chat_decodes_leaves_a_core_to_the_front_end(
             num_threads=2,
         )
         eng = llm.engine
-        assert eng.runner.encoder_threads_beside_chat is None, "offline: no front end"
-        eng.runner.leave_a_core_to_the_front_end()  # what the server's AsyncEngine does
         step = {"interactive": False}
         seen: list[tuple[bool, int]] = []  # (interactive decodes in the step, threads)
         advance, execute = VisionEncodeJob.advance, eng.runner.execute
@@ -110,8 +107,7 @@ def test_encoder_work_beside_chat_decodes_leaves_a_core_to_the_front_end(
             eng.step()
 
         assert (False, 2) in seen, "a frame alone encodes on every thread"
-        assert (True, 1) in seen, "a frame beside chat decodes encodes on one thread fewer"
-        assert all(threads == (1 if beside else 2) for beside, threads in seen), seen
-        assert torch.get_num_threads() == 2, "the decoder forward keeps every thread"
+        assert (True, 2) in seen, "and so does a frame beside chat decodes"
+        assert all(threads == 2 for _, threads in seen), seen
     finally:
         torch.set_num_threads(threads_before)
