@@ -8,11 +8,14 @@ futex at each barrier (libgomp's "throttled" spin count): a small parallel op th
 calibrated) on the main thread and preprocessing threads run torch ops on images, so on a
 2-core machine the step thread slept ~24 times a decode step with the bench checkpoint (~14 with
 the tiny one); the offline ``LLM``, one thread running everything, never did. Releasing the
-builder thread's team and keeping the other threads serial: ~0.1 sleeps a step. What that buys
+builder thread's team and keeping the other threads serial: ~0.05 sleeps a step. What that buys
 a step moved less than this machine's minute-to-minute noise (benchmarks/README, session 29),
 but it undid the reason encoder pieces beside chat ran on one thread fewer (a thread the front
-end preempted held up the other, asleep at the barrier): on every thread they now run ~35 %
-less per unit of work, and the chat ITL is no worse.
+end preempted held up the other, asleep at the barrier): on every thread they ran 23-40 % less
+per unit of work beside chat there, and the chat ITL was no worse. The cost: a spinning team
+pays in full for a partner the OS preempts (4 decode steps of 109-136 ms as the frames
+arrived and twice later, in one run of issue 14's workload), where a sleeping one gave the
+core away.
 
 Both levers are per thread: ``omp_set_num_threads`` sets only the calling thread's count, and
 ``omp_pause_resource_all`` frees only the calling thread's team. torch reads the count per
