@@ -44,7 +44,7 @@ OMP_PAUSE_SOFT = 1
 
 def _mapped_libraries() -> list[str]:
     try:
-        with open("/proc/self/maps", encoding="utf-8") as maps:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
             return sorted({line.split()[-1] for line in maps if ".so" in line})
     except OSError:  # not Linux
         return []
@@ -85,15 +85,19 @@ def _mkl() -> ctypes.CDLL | None:
 def serial_thread() -> None:
     """Run this thread's torch ops on this thread alone, with no team of its own: for helper
     threads (preprocessing, the server's I/O pool) so the step loop's team is the only one.
-    Meant as a ``ThreadPoolExecutor`` initializer or a thread's first call."""
-    lib = runtime()
-    if lib is None:
-        return
-    torch.get_num_threads()  # torch sets each thread's count at its first op: do that first
-    lib.omp_set_num_threads(1)
-    mkl = _mkl()
-    if mkl is not None:
-        mkl.MKL_Set_Num_Threads_Local(1)  # the C entry point (the lower-case one is Fortran's)
+    Meant as a ``ThreadPoolExecutor`` initializer or a thread's first call: it never raises
+    (an initializer that raised would break its pool, every later request with it)."""
+    try:
+        lib = runtime()
+        if lib is None:
+            return
+        torch.get_num_threads()  # torch sets each thread's count at its first op: do that first
+        lib.omp_set_num_threads(1)
+        mkl = _mkl()
+        if mkl is not None:
+            mkl.MKL_Set_Num_Threads_Local(1)  # the C entry point (lower-case is Fortran's)
+    except Exception as exc:  # a speed setting is never worth a broken pool
+        log.warning("could not make this thread's torch ops serial: %s", exc)
 
 
 def release_team() -> None:

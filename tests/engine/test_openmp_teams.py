@@ -125,3 +125,20 @@ def test_the_step_thread_does_not_sleep_at_barriers_after_image_requests(tiny_qw
         str(tiny_qwen2_vl),
     )
     assert out["per_step"] < 1.0
+
+
+def test_serial_thread_never_breaks_the_pool_it_initialises(monkeypatch, caplog):
+    """A runtime that fails (a double: the fault is injected) costs a warning, not a pool
+    whose every later job fails with BrokenThreadPool."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine import openmp
+
+    class FailingRuntime:
+        def omp_set_num_threads(self, n: int) -> None:
+            raise OSError("injected")
+
+    monkeypatch.setattr(openmp, "runtime", lambda: FailingRuntime())
+    with ThreadPoolExecutor(max_workers=1, initializer=openmp.serial_thread) as pool:
+        assert pool.submit(lambda: 42).result(timeout=30) == 42
+    assert "could not make this thread's torch ops serial" in caplog.text
