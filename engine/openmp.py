@@ -13,9 +13,9 @@ a step moved less than this machine's minute-to-minute noise (benchmarks/README,
 but it undid the reason encoder pieces beside chat ran on one thread fewer (a thread the front
 end preempted held up the other, asleep at the barrier): on every thread they ran 23-40 % less
 per unit of work beside chat there, and the chat ITL was no worse. The cost: a spinning team
-pays in full for a partner the OS preempts (4 decode steps of 109-136 ms as the frames
-arrived and twice later, in one run of issue 14's workload), where a sleeping one gave the
-core away.
+pays in full for a partner the OS preempts. In one run of issue 14's workload, of ~19,000
+steps with chat decodes 166 ran over 40 ms (537 with the old code) but 6 over 100 ms (2),
+3 of them spinning at barriers (73-76 ms of CPU in 109-136 ms steps).
 
 Both levers are per thread: ``omp_set_num_threads`` sets only the calling thread's count, and
 ``omp_pause_resource_all`` frees only the calling thread's team. torch reads the count per
