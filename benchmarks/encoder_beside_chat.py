@@ -14,7 +14,14 @@ work itself. Per step with encoder work beside all chat streams:
   since the chat contexts grow through the run and a decode step with them), and the
   encoder's own ms per unit against a whole frame encoded alone (``slice efficiency``):
   what the camera share (``benchmarks.interactive_first``) loses to cutting frames into
-  step-sized pieces.
+  step-sized pieces;
+* where that loss sits, item kind by item kind (``item_prices``): each kind's items run
+  beside chat fitted as a fixed cost per item plus a cost per unit, against the same kind's
+  price in the whole-frame encode. Session 30 on a 2-core AVX2 EPYC: the per-unit slopes
+  matched the whole frame's (22-32 us), the fixed costs did not -- 1.9 ms an MLP piece, 1.0 a
+  qkv piece, 0.8 an attention piece, on ~3-4 ms pieces -- and the first matmul of a piece ran
+  at half the speed of the same call repeated (its weights and inputs evicted by the decode
+  step before it).
 
     python -m benchmarks.encoder_beside_chat [--num-chat 4] [--frames 3]
 """
@@ -40,11 +47,75 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+class _ItemTimer:
+    """Times every vision work item run, with its kind, rows and price in units.
+
+    Wraps ``VisionEncodeJob._run`` for the benchmark's lifetime (a measurement hook, not an
+    engine feature: the step trace keeps per-step totals only). ``beside_chat`` is set by the
+    step recorder for steps that carry chat decodes."""
+
+    def __init__(self) -> None:
+        from engine.models.vision_encoder import VisionEncodeJob
+
+        self.items: list[dict] = []
+        self.beside_chat = False
+        self._cls, self._run = VisionEncodeJob, VisionEncodeJob._run
+        timer = self
+
+        def timed_run(job, item) -> None:
+            t = time.perf_counter()
+            timer._run(job, item)
+            timer.items.append(
+                {
+                    "kind": item.kind,
+                    "rows": item.end - item.start,
+                    "units": item.cost,
+                    "s": time.perf_counter() - t,
+                    "beside_chat": timer.beside_chat,
+                }
+            )
+
+        VisionEncodeJob._run = timed_run
+
+    def close(self) -> None:
+        self._cls._run = self._run
+
+
+def item_prices(items: list[dict], whole: list[dict]) -> dict[str, dict]:
+    """Per item kind: the items run beside chat fitted as ``fixed_ms`` + ``us_per_unit`` x
+    units (least squares; a single size gives no fit), against ``whole_us_per_unit`` of the
+    same kind in the whole-frame encode. The fixed cost is what cutting a frame into pieces
+    adds per piece; the slope is the work's own rate beside chat."""
+    import numpy as np
+
+    out: dict[str, dict] = {}
+    for kind in sorted({i["kind"] for i in items}):
+        mine = [i for i in items if i["kind"] == kind]
+        units = np.array([i["units"] for i in mine])
+        secs = np.array([i["s"] for i in mine])
+        row: dict = {
+            "items": len(mine),
+            "units": float(units.sum()),
+            "us_per_unit": 1e6 * float(secs.sum() / units.sum()),
+            "rows_p50": float(np.median([i["rows"] for i in mine])),
+        }
+        if len(mine) >= 3 and np.ptp(units) > 0:
+            design = np.vstack([np.ones_like(units), units]).T
+            (fixed, slope), *_ = np.linalg.lstsq(design, secs, rcond=None)
+            row["fit_fixed_ms"], row["fit_us_per_unit"] = 1e3 * fixed, 1e6 * slope
+        ref = [i for i in whole if i["kind"] == kind]
+        if ref:
+            row["whole_us_per_unit"] = 1e6 * sum(i["s"] for i in ref) / sum(i["units"] for i in ref)
+        out[kind] = row
+    return out
+
+
 class _StepRecorder:
     """Wraps the scheduler's and the runner's step calls; one record per engine step."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, items: _ItemTimer | None = None) -> None:
         self.engine = engine
+        self.items = items
         self.records: list[dict] = []
         self._current: dict = {}
         self._schedule, self._execute = engine.scheduler.schedule, engine.runner.execute
@@ -53,6 +124,8 @@ class _StepRecorder:
 
     def _on_schedule(self):
         out = self._schedule()
+        if self.items is not None:
+            self.items.beside_chat = out.num_decode_tokens > 0
         self._current.update(
             predicted_s=out.predicted_s,
             target_s=out.target_s,
@@ -146,8 +219,10 @@ def main() -> None:
     width, height = (int(v) for v in args.image_size.split("x"))
     model = bench_checkpoint(args.family, args.model)
     engine = LLMEngine(EngineArgs(model=str(model), dtype=args.dtype, cpu_kernels=args.cpu_kernels))
+    timer = _ItemTimer()
     whole = whole_frame_ms_per_unit(engine, width, height)
-    recorder = _StepRecorder(engine)
+    whole_items, timer.items = timer.items, []
+    recorder = _StepRecorder(engine, timer)
     engine.add_request("warm", frame_request(width, height, 999), SamplingParams(max_tokens=2))
     while engine.has_unfinished():
         recorder.step()
@@ -187,6 +262,8 @@ def main() -> None:
     summary["whole_frame_ms_per_unit"] = whole
     summary["slice_efficiency"] = whole / summary["encoder_ms_per_unit"]
     summary["cost_model"] = engine.scheduler.cost_model.coefficients()
+    timer.close()
+    summary["item_prices"] = item_prices([i for i in timer.items if i["beside_chat"]], whole_items)
     s, o = summary["step_ms"], summary["overshoot_ms"]
     log(
         f"{summary['steps']} steps with encoder work beside {args.num_chat} chat streams: "
@@ -201,6 +278,17 @@ def main() -> None:
         f"efficiency {summary['slice_efficiency']:.2f}); {summary['units_per_extra_s']:.0f} units "
         f"per second of step time over the decode-only step"
     )
+    for kind, row in summary["item_prices"].items():
+        fit = (
+            f"fixed {row['fit_fixed_ms']:.2f} ms + {row['fit_us_per_unit']:.1f} us/unit"
+            if "fit_fixed_ms" in row
+            else "no fit"
+        )
+        log(
+            f"  {kind:>5} beside chat: {row['items']} items, {row['us_per_unit']:.1f} us/unit "
+            f"({fit}; rows p50 {row['rows_p50']:.0f}); whole frame "
+            f"{row.get('whole_us_per_unit', float('nan')):.1f} us/unit"
+        )
     save_json(args.out, {"summary": summary, "steps": recorder.records, "args": vars(args)})
 
 

@@ -262,6 +262,9 @@ def test_encoder_beside_chat_script(tiny_qwen2_vl, results):
     summary = json.loads((results / "e.json").read_text())["summary"]
     assert summary["steps"] >= 1 and summary["encoder_units"] > 0
     assert summary["whole_frame_ms_per_unit"] > 0 and summary["slice_efficiency"] > 0
+    prices = summary["item_prices"]  # every kind a frame's encode runs, priced beside chat
+    assert prices and all(row["items"] > 0 and row["us_per_unit"] > 0 for row in prices.values())
+    assert sum(row["units"] for row in prices.values()) <= summary["encoder_units"] * (1 + 1e-6)
 
 
 @pytest.mark.slow
