@@ -125,7 +125,7 @@ class _StepRecorder:
     def _on_schedule(self):
         out = self._schedule()
         if self.items is not None:
-            self.items.beside_chat = out.num_decode_tokens > 0
+            self.items.beside_chat = bool(out.interactive_decodes)
         self._current.update(
             predicted_s=out.predicted_s,
             target_s=out.target_s,
