@@ -17,9 +17,10 @@ work itself. Per step with encoder work beside all chat streams:
   step-sized pieces;
 * where that loss sits, item kind by item kind (``item_prices``): each kind's items run
   beside chat fitted as a fixed cost per item plus a cost per unit, against the same kind's
-  price in the whole-frame encode. Session 30 on a 2-core AVX2 EPYC: the per-unit slopes
-  matched the whole frame's (22-32 us), the fixed costs did not -- 1.9 ms an MLP piece, 1.0 a
-  qkv piece, 0.8 an attention piece, on ~3-4 ms pieces -- and the first matmul of a piece ran
+  price in the whole-frame encode. Session 30 on a 2-core AVX2 EPYC (three runs): the
+  per-unit slopes matched the whole frame's (19-35 against 21-34 us), the fixed costs did not
+  -- 1.6-2.1 ms an MLP piece, 0.7-1.3 a qkv piece, 0.4-0.9 an attention piece, on ~3-4 ms
+  pieces (benchmarks/README.md, session 30) -- and the first matmul of a piece ran
   at half the speed of the same call repeated (its weights and inputs evicted by the decode
   step before it).
 
