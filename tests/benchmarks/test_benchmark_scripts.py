@@ -87,6 +87,20 @@ def test_serve_mixed_script(tiny_qwen2_vl, results):
 
 
 @pytest.mark.slow
+def test_front_end_cpu_script(tiny_qwen2_vl, results):
+    _run(
+        "benchmarks.front_end_cpu",
+        "--model", str(tiny_qwen2_vl), "--num-chat", "2", "--max-tokens", "8",
+        "--warmup", "1", "--seconds", "2",
+        results=results,
+    )  # fmt: skip
+    data = json.loads((results / "front_end_cpu.json").read_text())
+    assert data["tokens"] > 0 and data["errors"] == 0
+    # the event loop did work for the streamed tokens, and less than the whole process
+    assert 0 < data["event_loop_us_per_token"] < data["step_threads_us_per_token"] * 10
+
+
+@pytest.mark.slow
 def test_roofline_script(tiny_qwen2_vl, results):
     _run(
         "benchmarks.roofline",
