@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -100,3 +101,50 @@ async def test_camera_frames_are_preprocessed_at_a_lower_cpu_priority(async_engi
             pass
     assert seen[1] == max(base, BATCH_PREPROCESS_NICENESS)
     assert seen[2] == base
+
+
+async def test_a_step_wakes_each_event_loop_once(async_engine, monkeypatch):
+    """Streams on one event loop get a step's outputs through one wake-up, not one each (the
+    per-token CPU of the step thread and the front end), and each stream still gets all of
+    its own tokens, in order."""
+    loop = asyncio.get_running_loop()
+    wakeups = 0
+    schedule = loop.call_soon_threadsafe
+
+    def counting(callback, *args, **kwargs):
+        nonlocal wakeups
+        wakeups += 1
+        return schedule(callback, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "call_soon_threadsafe", counting)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    results = await asyncio.gather(
+        *(_collect(async_engine, f"wake-{i}", text_conv(f"camera {i}"), params) for i in range(4))
+    )
+    outputs = 0
+    for _, last in results:
+        assert last.finished and len(last.outputs[0].token_ids) == 16
+        outputs += 16
+    # 4 streams decode side by side for most of their 16 tokens: about one wake-up a step
+    assert 0 < wakeups <= outputs // 2, (wakeups, outputs)
+
+
+def test_a_stream_whose_event_loop_closed_is_dropped(async_engine):
+    """A caller's event loop that is gone (a thread that made a request and ended) cannot take
+    its outputs: the engine aborts that request, frees its blocks and keeps serving."""
+    loop = asyncio.new_event_loop()
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    loop.run_until_complete(async_engine.add_request("orphan", text_conv("go on"), params))
+    loop.close()
+
+    def dropped() -> bool:  # the add may still be in the step thread's inbox at first
+        stats = async_engine.get_stats()
+        idle = (stats.num_running, stats.num_waiting, stats.kv_blocks_used) == (0, 0, 0)
+        return idle and "orphan" not in async_engine._streams
+
+    deadline = time.monotonic() + 30
+    while not dropped() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert dropped() and async_engine.is_alive()
+    ok = asyncio.run(_collect(async_engine, "after", text_conv("hi"), SamplingParams(max_tokens=3)))
+    assert ok[1].finished
