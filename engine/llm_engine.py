@@ -149,11 +149,20 @@ class LLMEngine:
         )
 
     def _interrupt_points(self, args: EngineArgs) -> int:
-        """Safe points of an interruptible step: the decoder's layers (0: off, or no step
-        bound to multiply; engine/step_interrupt.py)."""
+        """How many step bounds an interruptible step may run (0: off, or no step bound to
+        multiply; engine/step_interrupt.py): as many as keep each stretch between two safe
+        points within one bound, so a chat still waits one short step at most. Its safe points
+        split a layer into the attention, the MLP's gate/up product and its down product; with
+        the longest of them half a layer's weights (bench; ~0.56 for Qwen2-VL-2B) a layer may
+        take two bounds. Why longer steps: each chunk of a camera prompt pays a per-step floor
+        (eager overhead, bf16 weights widened per chunk on AVX2), and camera-only work in
+        ~one-bound-per-layer chunks cost 6.4-6.7 % against a fixed 2,048-token budget on a
+        2-core AVX2 EPYC (``benchmarks.default_cost``, session 30)."""
         if not args.interruptible_steps or not args.time_sized:
             return 0
-        return len(self.model.layers)
+        layers = self.model.layers
+        shares = [getattr(layer, "longest_part_share", 1.0) for layer in layers]
+        return max(len(layers), int(sum(1 / share for share in shares)))
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()

@@ -69,14 +69,23 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, safe_point: Callable[[], None] | None = None
+    ) -> torch.Tensor:
+        """``safe_point`` runs between the two products (see DecoderLayer.forward)."""
         gate_up, down = self.gate_up_proj, self.down_proj
         upcast = isinstance(gate_up, UpcastLinear) and isinstance(down, UpcastLinear)
         if upcast and gate_up.widens(x):  # bf16 without bf16 arithmetic: fp32 between products
             gate, up = gate_up.forward_fp32(x).chunk(2, dim=-1)
-            return down.forward_fp32(F.silu(gate, inplace=True).mul_(up)).to(x.dtype)
+            act = F.silu(gate, inplace=True).mul_(up)
+            if safe_point is not None:
+                safe_point()
+            return down.forward_fp32(act).to(x.dtype)
         gate, up = gate_up(x).chunk(2, dim=-1)
-        return down(F.silu(gate) * up)
+        act = F.silu(gate) * up
+        if safe_point is not None:
+            safe_point()
+        return down(act)
 
 
 class DecoderLayer(nn.Module):
@@ -88,18 +97,29 @@ class DecoderLayer(nn.Module):
         )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        # the largest share of the layer's weights between two of its safe points (the
+        # attention's projections, the MLP's gate/up product, its down product), from the
+        # shapes: loading may swap the linears for packed or int8 ones
+        attn = self.self_attn.q_size * cfg.hidden_size * 2
+        attn += 2 * self.self_attn.kv_size * cfg.hidden_size
+        gate_up, down = (
+            2 * cfg.hidden_size * cfg.intermediate_size,
+            cfg.hidden_size * cfg.intermediate_size,
+        )
+        self.longest_part_share = max(attn, gate_up, down) / (attn + gate_up + down)
 
     def forward(self, x, cos, sin, kv_cache, meta, safe_point: Callable[[], None] | None = None):
-        """``safe_point`` (an interruptible step's, see Qwen2VLModel.forward) is called between
-        the attention and the MLP: a chat arriving during a long camera step waits for one of
-        the two, not a whole layer. For a 1,200-token chunk (bench, bf16, 2-core AMX Xeon) a
-        layer took ~60 ms, the attention ~45 % of it. Pieces of the MLP by rows would cut the
-        wait further but cost the step: ~15 % in 256-row pieces, 1-5 % in 512-row ones there
-        (one noisy series of runs), so the MLP stays whole."""
+        """``safe_point`` (an interruptible step's, see Qwen2VLModel.forward) is called after
+        the attention and between the MLP's two products: a chat arriving during a long camera
+        step waits for one of three parts, not a whole layer. For a 1,200-token chunk (bench,
+        bf16, 2-core AMX Xeon) a layer took ~60 ms, the attention ~45 % of it; the MLP's
+        gate/up product holds two thirds of its weights. Pieces of the MLP by rows would cut
+        the wait further but cost the step: ~15 % in 256-row pieces, 1-5 % in 512-row ones
+        there (one noisy series of runs), so each product stays whole."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
         if safe_point is not None:
             safe_point()
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), safe_point)
 
 
 def build_vision_tower(hf_config, architecture: str) -> nn.Module:
@@ -179,9 +199,9 @@ class Qwen2VLModel(nn.Module):
     ) -> torch.Tensor:
         """hidden: [T, hidden] input embeddings; positions: [3, T]. Returns final-norm states.
 
-        ``safe_point`` runs after each layer's attention and after each layer but the last: an
-        interruptible step's safe points (engine/step_interrupt.py), which raise to give the
-        step up."""
+        ``safe_point`` runs after each layer's attention, between its MLP's products and after
+        each layer but the last: an interruptible step's safe points
+        (engine/step_interrupt.py), which raise to give the step up."""
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):

@@ -64,15 +64,48 @@ class _RaiseAtCheck(StepInterrupt):
             raise StepInterrupted
 
 
+def _points(eng: LLMEngine) -> int:
+    return eng.scheduler.config.limits.interrupt_points
+
+
+def test_each_stretch_between_safe_points_fits_one_bound(tiny_qwen2_vl):
+    """An interruptible step runs ``interrupt_points`` bounds; a layer then takes points /
+    layers of them, and its longest part (attention, gate/up, down) at most one: a chat
+    waits one short step. Qwen2-style layers (MLP 3 x hidden x intermediate) give more than
+    one bound per layer."""
+    eng = _engine(tiny_qwen2_vl)
+    layers = eng.model.layers
+    per_layer = _points(eng) / len(layers)
+    assert per_layer > 1
+    for layer in layers:
+        assert layer.longest_part_share * per_layer <= 1 + 1e-9
+
+
+def test_bench_shaped_layers_split_in_half_by_weight():
+    """The bench preset (hidden 768, 12 heads of 64, 4 KV heads, intermediate 2,048): the
+    gate/up product is half a layer's weights, so a layer may take two bounds."""
+    from types import SimpleNamespace
+
+    from engine.models.qwen2_vl import DecoderLayer
+
+    cfg = SimpleNamespace(
+        hidden_size=768,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        intermediate_size=2048,
+        rms_norm_eps=1e-6,
+    )
+    assert DecoderLayer(cfg, head_dim=64).longest_part_share == pytest.approx(0.5)
+
+
 def test_batch_only_steps_run_many_bounds_and_chat_makes_them_short(tiny_qwen2_vl):
     eng = _engine(tiny_qwen2_vl)
-    layers = len(eng.model.layers)
-    assert eng.scheduler.config.limits.interrupt_points == layers
+    points = _points(eng)
     eng.add_request("report", text_conv("words " * 200), FEW, priority="batch")
     eng.add_request("cam", _frame(7), FEW, priority="batch")
     sched = eng.scheduler.schedule()
     assert sched.interruptible
-    assert sched.target_s == pytest.approx(layers * BOUND_MS / 1e3)
+    assert sched.target_s == pytest.approx(points * BOUND_MS / 1e3)
     assert eng.scheduler.cost_model.predict(sched.features) <= sched.target_s + 1e-9
     assert sched.num_prefill_tokens > 50, "far more than one short step's ~50 tokens"
     assert sched.features.force_eager, "priced as the eager forward it runs"
@@ -123,7 +156,7 @@ def test_steps_stay_short_for_one_long_step_after_a_chat(tiny_qwen2_vl):
     eng.add_request("chat", text_conv("hi there"), FEW, priority="interactive")
     _finish(eng)
     eng.add_request("cam", _frame(7), FEW, priority="batch")
-    long_s = len(eng.model.layers) * BOUND_MS / 1e3
+    long_s = _points(eng) * BOUND_MS / 1e3
     clock[0] += long_s / 2
     sched = eng.scheduler.schedule()
     assert not sched.interruptible and sched.target_s == pytest.approx(BOUND_MS / 1e3)
@@ -173,8 +206,10 @@ class _CountChecks(StepInterrupt):
         self.calls += 1
 
 
-def test_safe_points_come_after_each_layers_attention_and_between_layers(tiny_qwen2_vl):
-    """A chat waits for half a layer, not a whole one: 2 x layers - 1 safe points."""
+def test_safe_points_come_after_each_layers_attention_its_gate_up_and_between_layers(
+    tiny_qwen2_vl,
+):
+    """A chat waits for a third of a layer, not a whole one: 3 x layers - 1 safe points."""
     eng = _engine(tiny_qwen2_vl)
     counter = _CountChecks()
     eng.runner.interrupt = counter
@@ -183,11 +218,11 @@ def test_safe_points_come_after_each_layers_attention_and_between_layers(tiny_qw
     assert sched.interruptible and sched.num_prefill_tokens > 0
     result = eng.runner.execute(sched)
     assert not result.interrupted
-    assert counter.calls == 2 * len(eng.model.layers) - 1
+    assert counter.calls == 3 * len(eng.model.layers) - 1
 
 
-# check 1 is after layer 0's attention (mid-layer), check 2 after layer 0
-@pytest.mark.parametrize("at_check", [1, 2])
+# check 1 is after layer 0's attention, check 2 between its MLP's products, check 3 after it
+@pytest.mark.parametrize("at_check", [1, 2, 3])
 def test_a_forward_given_up_at_a_safe_point_is_run_again_exactly(tiny_qwen2_vl, at_check):
     """The layers already run wrote KV rows for the chunk; the rerun writes them again, so
     the tokens are those of a step never interrupted (text and image prompts, decodes)."""
