@@ -48,7 +48,7 @@ class EngineArgs:
     max_step_ms: str | None = None  # any step (batch-only work included)
     auto_itl_factor: float = 1.25  # "auto" target = this x the predicted decode-only step
     # with no interactive work in the engine, a step may run many times the step bound and
-    # stops at safe points (half decoder layers, vision items) when a chat request is queued
+    # stops at safe points (parts of decoder layers, vision items) when a chat request is queued
     interruptible_steps: bool = True
     encoder_cache_size: int = 16384  # image embeddings (tokens) kept for reuse
     enable_chunked_encoder: bool = True  # image encoding advanced under the step budget
@@ -183,8 +183,9 @@ HELP = {
     "at most one short step (chat prompts while no chat decodes, with nobody to stall, get the "
     "token cap alone); 'auto' (default when sized by time): 4x the decode step, >= 50 ms",
     "interruptible_steps": "with steps sized by time and no interactive request in the engine, "
-    "let a step run up to the decoder's layer count x --max-step-ms and give it up between "
-    "layers (or vision work items) when a chat request arrives, so camera-only work pays the "
+    "let a step run as many --max-step-ms as keep each part of a decoder layer (attention, "
+    "gate/up, down) within one, and give it up between parts (or vision work items) when a "
+    "chat request arrives, so camera-only work pays the "
     "per-step weight read far less often (engine/step_interrupt.py); off: every step short",
     "auto_itl_factor": "with --target-itl-ms auto: target = factor x decode-only step time",
     "encoder_cache_size": "image embeddings (in tokens) kept for reuse",

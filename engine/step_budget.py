@@ -85,8 +85,9 @@ class StepLimits:
     encoder_only_factor: float = 2.0
     min_encoder_step_s: float = 0.01
     # safe points where a step with no interactive work in the engine can stop for a chat
-    # request that arrives (the decoder's layers, engine/step_interrupt.py); such a step may
-    # run this many step bounds, so a layer of it takes about one. 0: no step is interruptible
+    # request that arrives (three in each decoder layer, engine/step_interrupt.py); such a step
+    # may run this many step bounds, so the longest stretch between two safe points takes
+    # about one (LLMEngine._interrupt_points). 0: no step is interruptible
     interrupt_points: int = 0
 
     @property

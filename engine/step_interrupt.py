@@ -6,10 +6,11 @@ under a fixed 2,048-token budget that prefills a frame in one step (2-core AMX X
 ``benchmarks.default_cost``). Short steps existed only so that a chat request arriving meanwhile
 waits one short step, not a long one. An *interruptible* step gets both: with no interactive
 work in the engine it may run many times the bound, and the step thread looks at this flag at
-safe points -- after each decoder layer's attention and between layers, between vision work
-items -- and gives the step up when a chat request has been queued. The layers already run are
-wasted (their KV rows are rewritten when the chunk runs again, and nothing else reads them:
-positions past a request's computed tokens); the vision items already run are kept.
+safe points -- after each decoder layer's attention, between its MLP's two products and between
+layers, between vision work items -- and gives the step up when a chat request has been
+queued. The layers already run are wasted (their KV rows are rewritten when the chunk runs
+again, and nothing else reads them: positions past a request's computed tokens); the vision
+items already run are kept.
 
 The flag is raised by whoever queues an interactive request (the async engine's front end, on
 another thread) and lowered by the step loop right before it takes queued requests in, so a

@@ -122,7 +122,8 @@ def test_batch_only_steps_stay_under_the_step_bound(tiny_qwen2_vl):
 def test_an_arriving_interactive_request_goes_first_and_waits_no_batch_work(tiny_qwen2_vl):
     _, eng = _engine(tiny_qwen2_vl, enable_prefix_caching=False)
     eng.add_request("cam", _frame(11), FEW, priority="batch")
-    eng.add_request("report", text_conv("words " * 200), FEW, priority="batch")
+    # long enough to be mid-way after two interruptible steps (each runs many step bounds)
+    eng.add_request("report", text_conv("words " * 1000), FEW, priority="batch")
     for _ in range(2):
         _run(eng, eng.scheduler.schedule())
     assert eng.scheduler.requests["report"].is_prefill, "batch prefill is mid-way"
