@@ -153,7 +153,7 @@ class LLMEngine:
         multiply; engine/step_interrupt.py): as many as keep each stretch between two safe
         points within one bound, so a chat still waits one short step at most. Its safe points
         split a layer into the attention, the MLP's gate/up product and its down product; with
-        the longest of them half a layer's weights (bench; ~0.56 for Qwen2-VL-2B) a layer may
+        the longest of them half a layer's weights (bench; 0.59 for Qwen2-VL-2B) a layer may
         take two bounds. Why longer steps: each chunk of a camera prompt pays a per-step floor
         (eager overhead, bf16 weights widened per chunk on AVX2), and camera-only work in
         ~one-bound-per-layer chunks cost 6.4-6.7 % against a fixed 2,048-token budget on a
