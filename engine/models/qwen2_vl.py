@@ -100,7 +100,7 @@ class DecoderLayer(nn.Module):
         # the largest share of the layer's weights between two of its safe points (the
         # attention's projections, the MLP's gate/up product, its down product), from the
         # shapes: loading may swap the linears for packed or int8 ones. The attention's own
-        # work over the keys is not counted: for bench it is 40 % of the first part at a
+        # work over the keys is not counted: for bench it is 55 % of the first part at a
         # frame's 1,250 keys (that part then ~0.42 of the layer), ~1.2 bounds at 4,000 keys
         attn = self.self_attn.q_size * cfg.hidden_size * 2
         attn += 2 * self.self_attn.kv_size * cfg.hidden_size
