@@ -67,9 +67,6 @@ class RequestStream:
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
 
-    def put(self, item: RequestOutput | BaseException) -> None:  # called from the step thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
 
@@ -89,8 +86,8 @@ class RequestStream:
                 self.engine.abort_nowait(self.request_id)
 
 
-def _put_all(batch: list[tuple[RequestStream, RequestOutput]]) -> None:
-    """On a stream's event loop: queue a step's outputs, in order."""
+def _put_all(batch: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+    """On the streams' event loop: queue the items, in order."""
     for stream, out in batch:
         stream.queue.put_nowait(out)
 
@@ -312,10 +309,19 @@ class AsyncEngine:
 
     def _put(self, stream: RequestStream, item: RequestOutput | BaseException) -> bool:
         """Hand ``item`` to a stream; False if its event loop is gone (the caller left)."""
+        return self._send(stream.loop, [(stream, item)])
+
+    def _send(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        batch: list[tuple[RequestStream, RequestOutput | BaseException]],
+    ) -> bool:
+        """Queue ``batch`` on ``loop`` in one wake-up; False if that loop is gone."""
         try:
-            stream.put(item)
-        except RuntimeError:  # "Event loop is closed"
-            log.warning("request %s: its event loop is closed; dropping it", stream.request_id)
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # "Event loop is closed": its callers left
+            for stream, _ in batch:
+                log.warning("request %s: its event loop is closed; dropping it", stream.request_id)
             return False
         return True
 
@@ -335,14 +341,12 @@ class AsyncEngine:
                 self._streams.pop(out.request_id, None)
             batches.setdefault(stream.loop, []).append((stream, out))
         for loop, batch in batches.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, batch)
-            except RuntimeError:  # "Event loop is closed": its callers left
-                for stream, out in batch:
-                    log.warning("request %s: its event loop is closed; dropping it", out.request_id)
-                    if not out.finished:
-                        self._streams.pop(stream.request_id, None)
-                        self._discard(stream.request_id)
+            if self._send(loop, batch):
+                continue
+            for stream, out in batch:
+                if not out.finished:
+                    self._streams.pop(stream.request_id, None)
+                    self._discard(stream.request_id)
 
     def _run(self) -> None:
         try:
