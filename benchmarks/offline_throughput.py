@@ -118,6 +118,7 @@ def ours(args, model_dir, frames):
         max_num_seqs=args.num_requests,
         cpu_kernels=args.cpu_kernels,
         device=args.device,
+        enforce_eager=args.enforce_eager,
     )
     eng = llm.engine
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -252,6 +253,9 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--image-size", default="640x480")
     ap.add_argument("--device", default="cpu", help="cpu | cuda (both engines run there)")
+    ap.add_argument(
+        "--enforce-eager", action="store_true", help="GPU: decode steps eager, not CUDA graphs"
+    )
     ap.add_argument(
         "--hf-dtype",
         default="best",

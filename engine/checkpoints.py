@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # heavy imports stay lazy so `vision-serve --help` remains fa
     from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
 
 FAMILIES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")
-PRESETS: tuple[str, ...] = ("tiny", "bench")
+PRESETS: tuple[str, ...] = ("tiny", "bench", "2b")
 
 LOG_PREFIX = "make-model:"
 
@@ -170,7 +170,7 @@ _CORPUS_SEED = 1234
 class Preset:
     """Shapes of one checkpoint size; the same preset serves both families."""
 
-    vocab_size: int  # total, special tokens included (== len(tokenizer) == config.vocab_size)
+    vocab_size: int  # config.vocab_size: embedding and lm_head rows
     corpus_sentences: int  # generated training sentences for the BPE
     invented_words: int  # invented proper nouns mixed in, so large vocabularies can be reached
     hidden_size: int
@@ -193,10 +193,19 @@ class Preset:
     weight_gain: float
     logit_gain: float
     residual_gain: float  # extra factor on projections that write into the residual stream
+    # len(tokenizer), special tokens included; 0: vocab_size. Released checkpoints pad their
+    # embedding past the tokenizer (Qwen2-VL: 151,936 rows, 151,657 tokens); a smaller BPE
+    # under a real model's row count gives its shapes without a corpus for 150k merges
+    tokenizer_size: int = 0
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def text_vocab(self) -> int:
+        """Ids the tokenizer has: the added tokens take its last ones, padding rows follow."""
+        return self.tokenizer_size or self.vocab_size
 
 
 PRESET_SHAPES: dict[str, Preset] = {
@@ -248,6 +257,35 @@ PRESET_SHAPES: dict[str, Preset] = {
         fullatt_block_indexes=(2, 5),
         min_pixels=64 * 64,
         max_pixels=1280 * 960,
+        weight_gain=1.0,
+        logit_gain=5.0,
+        residual_gain=0.3,
+    ),
+    # Qwen2-VL-2B-Instruct's shapes (2.2 B parameters; GPU benchmarks, not CPU tests): every
+    # tensor as released (its embedding padded past a 32k-token BPE), the 14-pixel patches, and
+    # its processor's pixel bounds, so a 640x480 frame is 391 image tokens as in the real model.
+    # Released 2B ties its embeddings; qwen2_vl is saved untied here like the other presets.
+    "2b": Preset(
+        vocab_size=151936,
+        tokenizer_size=32000,
+        corpus_sentences=12000,
+        invented_words=24000,
+        hidden_size=1536,
+        num_layers=28,
+        num_heads=12,
+        num_kv_heads=2,
+        intermediate_size=8960,
+        mrope_section=(16, 24, 24),
+        max_position_embeddings=32768,
+        vision_depth=32,
+        vision_embed_dim=1280,
+        vision_heads=16,
+        vision_intermediate_size=3420,  # Qwen2.5-VL-3B's
+        patch_size=14,
+        window_size=112,
+        fullatt_block_indexes=(7, 15, 23, 31),
+        min_pixels=56 * 56,
+        max_pixels=28 * 28 * 16384,
         weight_gain=1.0,
         logit_gain=5.0,
         residual_gain=0.3,
@@ -440,16 +478,17 @@ def build_corpus(num_sentences: int, num_invented: int, seed: int = _CORPUS_SEED
 def train_tokenizer(family: str, preset: Preset) -> PreTrainedTokenizerBase:
     """Train a byte-level BPE and wrap it as transformers' ``Qwen2Tokenizer``.
 
-    The BPE is trained to ``vocab_size - len(added tokens)`` so that the added tokens take the
-    last ids and ``len(tokenizer) == preset.vocab_size`` exactly: there are no padding rows in the
-    embedding whose ids could be generated but not decoded.  The initial alphabet is all 256
+    The BPE is trained to ``text_vocab - len(added tokens)`` so that the added tokens take the
+    last ids and ``len(tokenizer) == preset.text_vocab`` exactly: only a preset that asks for
+    them (``tokenizer_size``) has padding rows past the tokenizer, and their lm_head rows are
+    zero, so they are never generated.  The initial alphabet is all 256
     byte symbols, so any text encodes and every id decodes to non-empty text.
     """
     from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
     from tokenizers.models import BPE
 
     extra = added_tokens(family)
-    bpe_size = preset.vocab_size - len(extra)
+    bpe_size = preset.text_vocab - len(extra)
 
     bpe = Tokenizer(BPE())
     bpe.normalizer = normalizers.NFC()
@@ -509,9 +548,9 @@ def _wrap_qwen2_tokenizer(
     tokenizer.eos_token = IM_END
     tokenizer.chat_template = CHAT_TEMPLATE
 
-    expected = added_token_ids(family, preset.vocab_size)
+    expected = added_token_ids(family, preset.text_vocab)
     actual = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in expected}
-    if actual != expected or len(tokenizer) != preset.vocab_size:
+    if actual != expected or len(tokenizer) != preset.text_vocab:
         raise RuntimeError(f"added-token ids {actual} differ from the design {expected}")
     return tokenizer
 
@@ -529,7 +568,7 @@ def build_config(family: str, preset: Preset) -> Any:
     """
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
 
-    ids = added_token_ids(family, preset.vocab_size)
+    ids = added_token_ids(family, preset.text_vocab)
     if 2 * sum(preset.mrope_section) != preset.head_dim:
         raise ValueError("mrope_section must sum to head_dim / 2")
     text_config = {
@@ -637,7 +676,7 @@ def build_generation_config(family: str, preset: Preset) -> Any:
     """
     from transformers import GenerationConfig
 
-    ids = added_token_ids(family, preset.vocab_size)
+    ids = added_token_ids(family, preset.text_vocab)
     return GenerationConfig(
         bos_token_id=ids[ENDOFTEXT],
         eos_token_id=[ids[IM_END], ids[ENDOFTEXT]],
@@ -706,6 +745,7 @@ def _init_weights(model: PreTrainedModel, preset: Preset, first_added_id: int, s
                     std *= preset.residual_gain
             param.copy_(torch.randn(param.shape, generator=gen) * std)
         lm_head[first_added_id:] *= SPECIAL_ROW_SCALE
+        lm_head[preset.text_vocab :] = 0.0  # padding rows: ids no tokenizer decodes
 
 
 def build_model(family: str, preset: Preset, seed: int) -> PreTrainedModel:
@@ -719,7 +759,7 @@ def build_model(family: str, preset: Preset, seed: int) -> PreTrainedModel:
         model = AutoModelForImageTextToText.from_config(
             build_config(family, preset), dtype=torch.float32
         )
-    _init_weights(model, preset, added_token_ids(family, preset.vocab_size)[ENDOFTEXT], seed)
+    _init_weights(model, preset, added_token_ids(family, preset.text_vocab)[ENDOFTEXT], seed)
     model.generation_config = build_generation_config(family, preset)
     model.eval()
     return model
@@ -849,7 +889,7 @@ def build_checked_model(
     family: str, preset: Preset, processor: ProcessorMixin, seed: int
 ) -> PreTrainedModel:
     """Initialise from ``seed``; on a failed self-check retry with derived seeds (bounded)."""
-    ids = added_token_ids(family, preset.vocab_size)
+    ids = added_token_ids(family, preset.text_vocab)
     eos_ids = {ids[IM_END], ids[ENDOFTEXT]}
     for attempt in range(MAX_INIT_ATTEMPTS):
         attempt_seed = derived_seed(seed, attempt)
@@ -875,7 +915,7 @@ def make_model(family: str, preset: str, out_dir: str | Path, seed: int = 0) -> 
     out = Path(out_dir)
     start = time.perf_counter()
 
-    log(f"training {shapes.vocab_size}-token byte-level BPE tokenizer ({family}/{preset})")
+    log(f"training {shapes.text_vocab}-token byte-level BPE tokenizer ({family}/{preset})")
     tokenizer = train_tokenizer(family, shapes)
     processor = build_processor(family, shapes, tokenizer)
     model = build_checked_model(family, shapes, processor, seed)

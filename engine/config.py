@@ -66,6 +66,8 @@ class EngineArgs:
     max_pixels: int | None = None
     min_pixels: int | None = None
     cpu_kernels: bool = True  # bf16 CPU: native decode step and prefill attention (engine/kernels)
+    # GPU: decode-only steps run eagerly, not as replayed CUDA graphs (vLLM's flag)
+    enforce_eager: bool = False
     # weight-only quantization of the decoder's linears (vLLM's flag); None: weights as loaded
     quantization: str | None = None
     # a JSON line per step (budget, prediction, encoder work) appended here; None: off
@@ -206,6 +208,9 @@ HELP = {
     "step_trace": "append one JSON line per engine step to this file (target, predicted and "
     "measured seconds, decodes, prompt tokens, encoder work granted and run): to see why chat "
     "ITL or camera throughput is what it is (engine/step_trace.py); default: off",
+    "enforce_eager": "GPU: run decode-only steps eagerly instead of as CUDA graphs captured per "
+    "batch and context bucket on first use (graphs cut a small model's launch-bound step "
+    "several-fold; eager saves their memory and capture time)",
     "cpu_kernels": "bf16 CPU: decode-only steps as one native call, prefill and vision attention "
     "in a native flash kernel (built on first use; PyTorch where they cannot run)",
 }

@@ -90,6 +90,9 @@ class LLMEngine:
             weight_prefetch_bytes=self.platform.weight_prefetch_bytes,
             gemv_amx_tiles=self.platform.gemv_amx_tiles,
             amx_attention=self.platform.amx_attention,
+            decode_graphs=self.platform.decode_graphs,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=self.max_model_len,
         )
         # raised by a front end on another thread when it queues a chat request; lowered by
         # its step loop before it takes queued requests in (engine/step_interrupt.py)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.cuda_graphs import DecodeGraphs
 from engine.device import attention_backends
 from engine.kernels import load_cpu_decode
 from engine.layers.attention import build_attention_metadata, padded_block_tables
@@ -57,6 +58,9 @@ class ModelRunner:
         weight_prefetch_bytes: int = 0,
         gemv_amx_tiles: bool = False,
         amx_attention: bool = False,
+        decode_graphs: str = "off",
+        max_num_seqs: int = 1,
+        max_model_len: int = 0,
     ) -> None:
         self.model = model
         # the platform plan's (engine/platform.py): rows of prompt steps in the fused kernel,
@@ -77,7 +81,8 @@ class ModelRunner:
         self.device = device
         self.eos_token_ids = sorted(eos_token_ids)
         slots = num_blocks * block_size
-        shape = (slots, model.num_kv_heads, model.head_dim)
+        # decode graphs' padding rows write to one scratch slot past the last block
+        shape = (slots + (decode_graphs != "off"), model.num_kv_heads, model.head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=dtype, device=device),
@@ -104,6 +109,20 @@ class ModelRunner:
         self._prompt_keys: dict[str, int] = {}
         self._next_prompt_key = itertools.count(1)
         self._bitmask: BitmaskApplier | None = None  # built on the first constrained row
+        # decode-only steps as replayed CUDA graphs ("cuda", the platform plan's on a GPU),
+        # or their padded forward run eagerly ("eager": how CPU tests check the padding)
+        self.decode_graphs: DecodeGraphs | None = None
+        if decode_graphs != "off":
+            self.decode_graphs = DecodeGraphs(
+                model,
+                self.kv_caches,
+                block_size,
+                max_num_seqs,
+                max_model_len,
+                scratch_slot=slots,
+                device=device,
+                capture=decode_graphs == "cuda",
+            )
 
     # decode-only steps of up to this many rows run the fused kernel: its dot-product GEMV up
     # to ``gemv_max_rows`` rows, oneDNN's packed GEMM (called from the kernel) past that;
@@ -289,6 +308,8 @@ class ModelRunner:
         layer's attention and between layers), which an interruptible step's prompt rows always
         run (the fused kernel has no safe point)."""
         chunks = sched.chunks
+        if self.decode_graphs is not None and self.decode_graphs.applies(chunks):
+            return self._sample(self.decode_graphs.logits(chunks), chunks)
         if self._fused_decode_applies(chunks):
             return self._sample(self._fused_decode_logits(chunks), chunks)
         if interrupt is None and self._fused_prefill_applies(chunks):

@@ -137,6 +137,8 @@ class PlatformPlan:
     # engine.kernels' flash attention (prompt chunks, fused or eager, and the vision tower)
     # with its products on AMX tiles (engine/kernels/amx_attention.h)
     amx_attention: bool = False
+    # decode-only steps as replayed CUDA graphs ("cuda") or eager ("off"); engine/cuda_graphs.py
+    decode_graphs: str = "off"
 
     @property
     def emulated_bf16(self) -> bool:
@@ -157,7 +159,7 @@ class PlatformPlan:
             f"fused_prompt_rows={self.fused_prompt_rows} gemv_max_rows={self.gemv_max_rows} "
             f"weight_prefetch={self.weight_prefetch_bytes} "
             f"gemv={'amx-tiles' if self.gemv_amx_tiles else 'dot'} "
-            f"prefill_attention={self.prefill_attention}"
+            f"prefill_attention={self.prefill_attention} decode_graphs={self.decode_graphs}"
         )
 
     @property
@@ -209,6 +211,7 @@ def plan_platform(
     quantization: str | None = None,
     pack_cpu_weights: bool = True,
     requested_encoder_rows: int | None = None,
+    enforce_eager: bool = False,
 ) -> PlatformPlan:
     """The plan for an already chosen device and dtype (tests and benchmarks load models
     this way; the engine goes through :func:`resolve_platform`)."""
@@ -283,6 +286,7 @@ def plan_platform(
         gemv_amx_tiles=bool(gemv_tiles),
         torch_flash_attention=torch_flash,
         amx_attention=amx_attention,
+        decode_graphs="cuda" if device.type == "cuda" and not enforce_eager else "off",
     )
 
 
@@ -296,6 +300,7 @@ def resolve_platform(args: EngineArgs) -> PlatformPlan:
         cpu_kernels=args.cpu_kernels,
         quantization=args.quantization,
         requested_encoder_rows=args.encoder_rows_per_item,
+        enforce_eager=args.enforce_eager,
     )
     log.info(plan.describe())
     return plan

@@ -313,3 +313,59 @@ def test_config_json_has_no_sampling_defaults(tiny: tuple) -> None:
     gen = json.loads((out / "generation_config.json").read_text())
     assert gen["do_sample"] is False
     assert not {"temperature", "top_k", "top_p"} & gen.keys()
+
+
+# ------------------------------------------------------------------------------ 2b preset
+
+
+def test_2b_preset_has_qwen2_vl_2b_shapes() -> None:
+    """Shapes only (no weights): Qwen2-VL-2B's tensors, its 151,936-row embedding over a
+    32k-token tokenizer, and its processor's 391 tokens for a 640x480 frame."""
+    shapes = PRESET_SHAPES["2b"]
+    assert (shapes.vocab_size, shapes.text_vocab) == (151936, 32000)
+    image_processor = checkpoints.build_image_processor(shapes)
+    assert image_processor.get_number_of_image_patches(480, 640, {}) == 4 * 391
+    config = checkpoints.build_config("qwen2_vl", shapes)
+    text = config.text_config
+    assert (text.hidden_size, text.num_hidden_layers, text.intermediate_size) == (1536, 28, 8960)
+    assert (text.num_attention_heads, text.num_key_value_heads) == (12, 2)
+    assert text.vocab_size == 151936 and config.image_token_id < shapes.text_vocab
+    with torch.device("meta"):
+        model = transformers.AutoModelForImageTextToText.from_config(config)
+    n_params = sum(p.numel() for p in model.parameters())
+    # released 2.2 B with a tied embedding; untied here: + 151,936 x 1,536
+    assert 2.3e9 < n_params < 2.5e9, n_params
+
+
+@pytest.fixture(scope="module")
+def padded_vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny preset with 64 embedding rows past its tokenizer, as released checkpoints pad."""
+    import dataclasses
+
+    shapes = dataclasses.replace(TINY, vocab_size=TINY.vocab_size + 64, tokenizer_size=1024)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(checkpoints.PRESET_SHAPES, "tiny-padded", shapes)
+        mp.setattr(checkpoints, "PRESETS", (*checkpoints.PRESETS, "tiny-padded"))
+        return make_model("qwen2_vl", "tiny-padded", tmp_path_factory.mktemp("padded"), seed=0)
+
+
+def test_padded_vocab_checkpoint(padded_vocab: Path) -> None:
+    """Config rows past the tokenizer: added tokens keep the tokenizer's last ids, the padding
+    rows of the lm_head are zero, and the engine's greedy tokens equal ``generate()``'s."""
+    from engine import LLM, SamplingParams
+    from tests.engine.helpers import hf_greedy, text_conv
+
+    config = json.loads((padded_vocab / "config.json").read_text())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(padded_vocab)
+    assert len(tokenizer) == 1024
+    assert config["text_config"]["vocab_size"] == 1088
+    assert tokenizer.convert_tokens_to_ids(IM_END) < 1024
+    with safe_open(str(padded_vocab / "model.safetensors"), "pt") as f:
+        head = next(f.get_tensor(n) for n in f.keys() if n.endswith("lm_head.weight"))  # noqa: SIM118
+    assert head.shape[0] == 1088 and not head[1024:].any()
+
+    conv = text_conv("A bus stops by the school")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    got = LLM(str(padded_vocab), dtype="float32").chat(conv, params)[0].outputs[0]
+    assert got.token_ids == hf_greedy(padded_vocab, conv, 12, min_new_tokens=12)
+    assert max(got.token_ids) < 1024 and got.text
