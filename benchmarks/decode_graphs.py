@@ -98,7 +98,7 @@ def main() -> None:
         table.append({"context": context, "batch": batch, "graphs_s": g, "eager_s": e})
         print(f"{context:8}{batch:6}{1e3 * g:11.2f}{1e3 * e:10.2f}{e / g:9.2f}x")
     graphs = engines["graphs"].runner.decode_graphs
-    print(f"graphs captured: {len(graphs._graphs)}")
+    print(f"graphs captured: {len(graphs.captured)}")
     save_json(
         args.out,
         {
@@ -106,7 +106,7 @@ def main() -> None:
             "checkpoint": model,
             "table": table,
             "runs": results,
-            "graphs_captured": len(graphs._graphs),
+            "graphs_captured": len(graphs.captured),
             "args": vars(args),
         },
     )

@@ -10,8 +10,9 @@ to the next capture size (1, 2, 4, 8, then multiples of 8, as vLLM captures) and
 context to the next power of two of KV blocks. Inputs go through static device buffers the graph
 was captured on; padding rows write their keys and values to a scratch slot past the cache's
 last block (the runner allocates it) and attend to one masked-in key, so they touch no
-request's state. Graphs are captured on first use of a bucket, share one memory pool, and hand
-out their logits only until the next replay, which the runner's sampling has finished with.
+request's state. Graphs are captured on first use of a bucket and share one memory pool; every
+graph writes its logits into one buffer, valid until the next replay (the runner's sampling has
+finished with them by then), so the graphs' outputs do not pile up one per bucket.
 
 The padded forward is plain torch: with ``capture=False`` it runs eagerly, which is how CPU
 tests check the padding, the scratch slot and the bucketing give the tokens of the eager path.
@@ -90,10 +91,17 @@ class DecodeGraphs:
         self._static = padding.to(device)  # what the graphs read
         self._key_index = torch.arange(self.max_blocks * block_size, device=device)
         self._slot_offsets = torch.arange(block_size, device=device)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        vocab = model.text_config.vocab_size
+        self._logits = torch.empty(rows, vocab, dtype=torch.float32, device=device)
         self._pool = None
         self._dirty_rows = 0  # staging rows written by earlier steps
         self.steps = 0  # steps run through here (replayed, or eager without capture)
+
+    @property
+    def captured(self) -> list[tuple[int, int]]:
+        """(batch, KV blocks) of every graph captured so far."""
+        return list(self._graphs)
 
     def applies(self, chunks: list[ScheduledChunk]) -> bool:
         """A decode-only step that fits a bucket (no prompt rows, every row samples)."""
@@ -121,11 +129,11 @@ class DecodeGraphs:
         self._static[:batch, : _TABLE + blocks].copy_(self._staging[:batch, : _TABLE + blocks])
         if not self.capture:
             return self._forward(batch, blocks)[:n]
-        entry = self._graphs.get((batch, blocks))
-        if entry is None:
-            entry = self._graphs[(batch, blocks)] = self._capture(batch, blocks)
-        entry[0].replay()
-        return entry[1][:n]
+        graph = self._graphs.get((batch, blocks))
+        if graph is None:
+            graph = self._graphs[(batch, blocks)] = self._capture(batch, blocks)
+        graph.replay()
+        return self._logits[:n]
 
     def _batch_bucket(self, n: int) -> int:
         return next(b for b in self.batch_sizes if b >= n)
@@ -171,9 +179,9 @@ class DecodeGraphs:
         hidden = self.model.embed(rows[:, _ID].contiguous())
         positions = rows[:, _POS:_SLOT].t().contiguous()
         hidden = self.model(hidden, positions, self.kv_caches, meta)
-        return self.model.logits(hidden)
+        return self._logits[:batch].copy_(self.model.logits(hidden))
 
-    def _capture(self, batch: int, blocks: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, batch: int, blocks: int) -> torch.cuda.CUDAGraph:
         """Warm the bucket's kernels up on a side stream (first calls allocate and pick
         algorithms, which a capture must not), then record one step. The warm-up writes the
         same keys and values the replay will."""
@@ -186,7 +194,7 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self._forward(batch, blocks)
+            self._forward(batch, blocks)
         self._pool = graph.pool()
         log.info(
             "captured a decode graph: batch %d, %d keys (%.0f ms)",
@@ -194,4 +202,4 @@ class DecodeGraphs:
             blocks * self.block_size,
             1e3 * (time.perf_counter() - t0),
         )
-        return graph, out
+        return graph

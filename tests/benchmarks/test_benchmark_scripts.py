@@ -345,3 +345,22 @@ def test_openmp_teams_script(results):
     data = json.loads((results / "o.json").read_text())
     assert set(data["median_us"]) == {"one team", "two teams"}
     assert all(us > 0 for us in data["median_us"].values())
+
+
+def test_decode_graphs_script(tiny_qwen2_vl, results):
+    """A GPU benchmark: without CUDA it says so and saves a skipped record; with it, a table."""
+    _run(
+        "benchmarks.decode_graphs",
+        "--model", str(tiny_qwen2_vl), "--batches", "1", "3", "--contexts", "20",
+        "--rounds", "1", "--steps", "4", "--kv-cache-memory-gb", "0.1", "--out", "g.json",
+        results=results,
+    )  # fmt: skip
+    data = json.loads((results / "g.json").read_text())
+    import torch
+
+    if not torch.cuda.is_available():
+        assert data["skipped"] is True
+        return
+    assert [(r["context"], r["batch"]) for r in data["table"]] == [(20, 1), (20, 3)]
+    assert all(r["graphs_s"] > 0 and r["eager_s"] > 0 for r in data["table"])
+    assert data["graphs_captured"] >= 2

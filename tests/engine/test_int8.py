@@ -69,7 +69,7 @@ def test_quantization_flag_is_validated() -> None:
 def pair(request, tiny_qwen2_vl):
     """Unquantized and int8 weights with the same activations: fp32 (eager, int8 GEMV) or bf16
     (the fused decode step where the kernels build, both sides)."""
-    kw = {"dtype": request.param, "max_num_batched_tokens": 256}
+    kw = {"dtype": request.param, "device": "cpu", "max_num_batched_tokens": 256}
     return LLM(str(tiny_qwen2_vl), **kw), LLM(str(tiny_qwen2_vl), quantization="int8", **kw)
 
 
@@ -206,6 +206,7 @@ def bf16_int8(tiny_qwen2_vl):
     return LLM(
         str(tiny_qwen2_vl),
         dtype="bfloat16",
+        device="cpu",
         quantization="int8",
         block_size=4,
         max_num_seqs=8,
@@ -282,7 +283,7 @@ def test_fused_int8_with_chunked_prefill_and_preemption(tiny_qwen2_vl) -> None:
     other one, and nowhere else."""
     convs = [text_conv(f"request number {i}: describe the scene " * (1 + i % 3)) for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
-    kw = {"dtype": "bfloat16", "quantization": "int8", "block_size": 4}
+    kw = {"dtype": "bfloat16", "device": "cpu", "quantization": "int8", "block_size": 4}
     roomy = LLM(str(tiny_qwen2_vl), **kw)
     want = [o.outputs[0] for o in roomy.chat(convs, params)]
     tight = LLM(str(tiny_qwen2_vl), num_kv_blocks=40, max_num_batched_tokens=16, **kw)

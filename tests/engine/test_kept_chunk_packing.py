@@ -43,7 +43,13 @@ class _Recorder:
 
 
 def _prefill_logits(checkpoint, keep: bool) -> tuple[list[torch.Tensor], list[int], object]:
-    llm = LLM(model=str(checkpoint), dtype="bfloat16", block_size=BLOCK, max_num_batched_tokens=12)
+    llm = LLM(
+        model=str(checkpoint),
+        dtype="bfloat16",
+        device="cpu",
+        block_size=BLOCK,
+        max_num_batched_tokens=12,
+    )
     runner = llm.engine.runner
     recorder = _Recorder(runner.fused_decoder)
     runner.fused_decoder = recorder
@@ -80,7 +86,7 @@ def _direct_inputs(runner, start: int, n: int, table: list[int], hidden: int):
 def test_a_key_whose_slots_moved_is_packed_again(tiny_qwen2_vl) -> None:
     """Under one key, a chunk whose earlier tokens now sit in other cache blocks (holding
     other values) attends to those values, not to the packing of the old blocks."""
-    llm = LLM(model=str(tiny_qwen2_vl), dtype="bfloat16", block_size=BLOCK)
+    llm = LLM(model=str(tiny_qwen2_vl), dtype="bfloat16", device="cpu", block_size=BLOCK)
     runner = llm.engine.runner
     decoder = runner.fused_decoder
     hidden = runner.model.embed_tokens.embedding_dim
@@ -110,7 +116,7 @@ def test_a_key_whose_slots_moved_is_packed_again(tiny_qwen2_vl) -> None:
 
 
 def test_at_most_a_handful_of_prompts_are_kept(tiny_qwen2_vl) -> None:
-    llm = LLM(model=str(tiny_qwen2_vl), dtype="bfloat16", block_size=BLOCK)
+    llm = LLM(model=str(tiny_qwen2_vl), dtype="bfloat16", device="cpu", block_size=BLOCK)
     runner = llm.engine.runner
     hidden = runner.model.embed_tokens.embedding_dim
     for key in range(1, 8):
@@ -130,7 +136,11 @@ def _prefill_partly(llm: LLM, request_id: str) -> None:
 
 def test_an_abort_mid_prefill_lets_the_packing_go(tiny_qwen2_vl) -> None:
     llm = LLM(
-        model=str(tiny_qwen2_vl), dtype="bfloat16", block_size=BLOCK, max_num_batched_tokens=12
+        model=str(tiny_qwen2_vl),
+        dtype="bfloat16",
+        device="cpu",
+        block_size=BLOCK,
+        max_num_batched_tokens=12,
     )
     _prefill_partly(llm, "r1")
     assert llm.engine.runner.fused_decoder.kept_contexts() == 1
@@ -143,7 +153,11 @@ def test_a_preempted_prompt_starts_under_a_new_key(tiny_qwen2_vl) -> None:
     """Recompute-style preemption drops the prompt's KV: its packing goes with it, and the
     recomputation is packed under a key of its own."""
     llm = LLM(
-        model=str(tiny_qwen2_vl), dtype="bfloat16", block_size=BLOCK, max_num_batched_tokens=12
+        model=str(tiny_qwen2_vl),
+        dtype="bfloat16",
+        device="cpu",
+        block_size=BLOCK,
+        max_num_batched_tokens=12,
     )
     runner = llm.engine.runner
     keys_seen: list[set[int]] = []
@@ -177,6 +191,7 @@ def test_a_prompt_done_in_one_chunk_keeps_nothing_and_pushes_no_one_out(tiny_qwe
     llm = LLM(
         model=str(tiny_qwen2_vl),
         dtype="bfloat16",
+        device="cpu",
         block_size=BLOCK,
         max_num_batched_tokens=12,
         long_prefill_token_threshold=3,  # 3 rows of each of the 4 frames a step

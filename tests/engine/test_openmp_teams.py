@@ -103,7 +103,7 @@ def test_the_step_thread_does_not_sleep_at_barriers_after_image_requests(tiny_qw
                 if line.startswith("voluntary_ctxt_switches"):
                     return int(line.split()[1])
         async def main():
-            eng = AsyncEngine(EngineArgs(model=sys.argv[1]))
+            eng = AsyncEngine(EngineArgs(model=sys.argv[1], device="cpu"))
             n = iter(range(100))
             async def run(prompt, tokens, priority="interactive"):
                 params = SamplingParams(max_tokens=tokens, ignore_eos=True)

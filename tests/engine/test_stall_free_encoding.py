@@ -75,6 +75,7 @@ def test_encoder_work_beside_chat_decodes_runs_on_every_thread(tiny_qwen2_vl, mo
         llm = LLM(
             str(tiny_qwen2_vl),
             dtype="float32",
+            device="cpu",
             max_num_batched_tokens=24,
             encoder_rows_per_item=8,
             num_threads=2,

@@ -127,7 +127,7 @@ def test_interruptible_prompt_steps_skip_the_fused_kernel_and_decodes_keep_it(ti
     """The fused kernel runs every layer in one native call (no safe point): an interruptible
     step's prompt rows go eager even where the kernel takes them, and are priced so; a
     decode-only step keeps the kernel and its price."""
-    eng = _engine(tiny_qwen2_vl, dtype="bfloat16")
+    eng = _engine(tiny_qwen2_vl, dtype="bfloat16", device="cpu")
     runner = eng.runner
     assert runner.fused_prefill_rows > 0 and runner.fused_decode_rows > 0
     # a raw prompt of a few tokens: a chat template's ~45 would pass AVX2's 16-row kernel
