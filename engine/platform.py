@@ -138,6 +138,7 @@ class PlatformPlan:
     # with its products on AMX tiles (engine/kernels/amx_attention.h)
     amx_attention: bool = False
     # decode-only steps as replayed CUDA graphs ("cuda") or eager ("off"); engine/cuda_graphs.py
+    # ("eager", the graphs' padded forward without capture, is for tests on a CPU)
     decode_graphs: str = "off"
 
     @property
