@@ -24,6 +24,11 @@ pytestmark = pytest.mark.skipif(
 BLOCK = 4
 
 
+def _llm(checkpoint, **kw) -> LLM:
+    """The fused kernel's engine: bf16 on the CPU (also where a GPU would be picked)."""
+    return LLM(model=str(checkpoint), dtype="bfloat16", device="cpu", block_size=BLOCK, **kw)
+
+
 class _Recorder:
     """The runner's fused decoder, each forward's logits and the kept count after it recorded."""
 
@@ -43,13 +48,7 @@ class _Recorder:
 
 
 def _prefill_logits(checkpoint, keep: bool) -> tuple[list[torch.Tensor], list[int], object]:
-    llm = LLM(
-        model=str(checkpoint),
-        dtype="bfloat16",
-        device="cpu",
-        block_size=BLOCK,
-        max_num_batched_tokens=12,
-    )
+    llm = _llm(checkpoint, max_num_batched_tokens=12)
     runner = llm.engine.runner
     recorder = _Recorder(runner.fused_decoder)
     runner.fused_decoder = recorder
@@ -86,7 +85,7 @@ def _direct_inputs(runner, start: int, n: int, table: list[int], hidden: int):
 def test_a_key_whose_slots_moved_is_packed_again(tiny_qwen2_vl) -> None:
     """Under one key, a chunk whose earlier tokens now sit in other cache blocks (holding
     other values) attends to those values, not to the packing of the old blocks."""
-    llm = LLM(model=str(tiny_qwen2_vl), dtype="bfloat16", device="cpu", block_size=BLOCK)
+    llm = _llm(tiny_qwen2_vl)
     runner = llm.engine.runner
     decoder = runner.fused_decoder
     hidden = runner.model.embed_tokens.embedding_dim
@@ -116,7 +115,7 @@ def test_a_key_whose_slots_moved_is_packed_again(tiny_qwen2_vl) -> None:
 
 
 def test_at_most_a_handful_of_prompts_are_kept(tiny_qwen2_vl) -> None:
-    llm = LLM(model=str(tiny_qwen2_vl), dtype="bfloat16", device="cpu", block_size=BLOCK)
+    llm = _llm(tiny_qwen2_vl)
     runner = llm.engine.runner
     hidden = runner.model.embed_tokens.embedding_dim
     for key in range(1, 8):
@@ -135,13 +134,7 @@ def _prefill_partly(llm: LLM, request_id: str) -> None:
 
 
 def test_an_abort_mid_prefill_lets_the_packing_go(tiny_qwen2_vl) -> None:
-    llm = LLM(
-        model=str(tiny_qwen2_vl),
-        dtype="bfloat16",
-        device="cpu",
-        block_size=BLOCK,
-        max_num_batched_tokens=12,
-    )
+    llm = _llm(tiny_qwen2_vl, max_num_batched_tokens=12)
     _prefill_partly(llm, "r1")
     assert llm.engine.runner.fused_decoder.kept_contexts() == 1
     llm.engine.abort("r1")
@@ -152,13 +145,7 @@ def test_an_abort_mid_prefill_lets_the_packing_go(tiny_qwen2_vl) -> None:
 def test_a_preempted_prompt_starts_under_a_new_key(tiny_qwen2_vl) -> None:
     """Recompute-style preemption drops the prompt's KV: its packing goes with it, and the
     recomputation is packed under a key of its own."""
-    llm = LLM(
-        model=str(tiny_qwen2_vl),
-        dtype="bfloat16",
-        device="cpu",
-        block_size=BLOCK,
-        max_num_batched_tokens=12,
-    )
+    llm = _llm(tiny_qwen2_vl, max_num_batched_tokens=12)
     runner = llm.engine.runner
     keys_seen: list[set[int]] = []
     real_keys = runner._context_keys
@@ -188,14 +175,8 @@ def test_a_preempted_prompt_starts_under_a_new_key(tiny_qwen2_vl) -> None:
 def test_a_prompt_done_in_one_chunk_keeps_nothing_and_pushes_no_one_out(tiny_qwen2_vl) -> None:
     """A chat prompt prefilled in one step has no next chunk to keep packing for: it gets no
     key, so the prompts mid-prefill beside it (camera frames) keep theirs."""
-    llm = LLM(
-        model=str(tiny_qwen2_vl),
-        dtype="bfloat16",
-        device="cpu",
-        block_size=BLOCK,
-        max_num_batched_tokens=12,
-        long_prefill_token_threshold=3,  # 3 rows of each of the 4 frames a step
-    )
+    # 3 rows of each of the 4 frames a step
+    llm = _llm(tiny_qwen2_vl, max_num_batched_tokens=12, long_prefill_token_threshold=3)
     runner, engine = llm.engine.runner, llm.engine
     for rid in ("f1", "f2", "f3", "f4"):
         engine.add_processed(
