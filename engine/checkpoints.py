@@ -261,10 +261,11 @@ PRESET_SHAPES: dict[str, Preset] = {
         logit_gain=5.0,
         residual_gain=0.3,
     ),
-    # Qwen2-VL-2B-Instruct's shapes (2.2 B parameters; GPU benchmarks, not CPU tests): every
-    # tensor as released (its embedding padded past a 32k-token BPE), the 14-pixel patches, and
-    # its processor's pixel bounds, so a 640x480 frame is 391 image tokens as in the real model.
-    # Released 2B ties its embeddings; qwen2_vl is saved untied here like the other presets.
+    # Qwen2-VL-2B-Instruct's shapes (GPU benchmarks, not CPU tests): every tensor as released
+    # (its embedding padded past a 32k-token BPE), the 14-pixel patches, and its processor's
+    # pixel bounds, so a 640x480 frame is 391 image tokens as in the real model. Released 2B
+    # ties its embeddings (2.2 B parameters); qwen2_vl is saved untied here like the other
+    # presets (2.44 B, 9.8 GB in fp32). The vision MLP width is Qwen2.5-VL-3B's, for that family.
     "2b": Preset(
         vocab_size=151936,
         tokenizer_size=32000,
@@ -280,7 +281,7 @@ PRESET_SHAPES: dict[str, Preset] = {
         vision_depth=32,
         vision_embed_dim=1280,
         vision_heads=16,
-        vision_intermediate_size=3420,  # Qwen2.5-VL-3B's
+        vision_intermediate_size=3420,
         patch_size=14,
         window_size=112,
         fullatt_block_indexes=(7, 15, 23, 31),
