@@ -106,35 +106,36 @@ class DecodeGraphs:
         """(batch, KV blocks) of every graph captured so far."""
         return list(self._graphs)
 
-    def applies(self, chunks: list[ScheduledChunk]) -> bool:
-        """A decode-only step that fits a bucket (no prompt rows, every row samples)."""
+    def bucket(self, chunks: list[ScheduledChunk]) -> tuple[int, int] | None:
+        """(batch, KV blocks) of the graph a decode-only step pads into; None for any other
+        step (prompt rows, a row that does not sample, past the largest bucket)."""
         if not chunks or len(chunks) > self.batch_sizes[-1]:
-            return False
+            return None
         if not all(c.is_decode and c.num_tokens == 1 and c.sample for c in chunks):
-            return False
+            return None
         blocks = max(-(-(c.start + 1) // self.block_size) for c in chunks)
         if blocks > self.max_blocks:
-            return False
+            return None
         batch = self._batch_bucket(len(chunks))
-        span = context_bucket(blocks, self.max_blocks) * self.block_size
-        return batch * span * self._slot_bytes <= MAX_GATHER_BYTES
+        blocks = context_bucket(blocks, self.max_blocks)
+        if batch * blocks * self.block_size * self._slot_bytes > MAX_GATHER_BYTES:
+            return None
+        return batch, blocks
 
-    def logits(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """[len(chunks), vocab] float logits of the step; valid until the next call."""
+    def logits(self, chunks: list[ScheduledChunk], bucket: tuple[int, int]) -> torch.Tensor:
+        """[len(chunks), vocab] float logits of the step padded into ``bucket`` (from
+        :meth:`bucket`); valid until the next call."""
         n = len(chunks)
-        batch = self._batch_bucket(n)
-        blocks = context_bucket(
-            max(-(-(c.start + 1) // self.block_size) for c in chunks), self.max_blocks
-        )
+        batch, blocks = bucket
         self._stage(chunks)
         self.steps += 1
         # all the graph reads: its rows (padding past this step's) and its table columns
         self._static[:batch, : _TABLE + blocks].copy_(self._staging[:batch, : _TABLE + blocks])
         if not self.capture:
             return self._forward(batch, blocks)[:n]
-        graph = self._graphs.get((batch, blocks))
+        graph = self._graphs.get(bucket)
         if graph is None:
-            graph = self._graphs[(batch, blocks)] = self._capture(batch, blocks)
+            graph = self._graphs[bucket] = self._capture(batch, blocks)
         graph.replay()
         return self._logits[:n]
 

@@ -308,8 +308,9 @@ class ModelRunner:
         layer's attention and between layers), which an interruptible step's prompt rows always
         run (the fused kernel has no safe point)."""
         chunks = sched.chunks
-        if self.decode_graphs is not None and self.decode_graphs.applies(chunks):
-            return self._sample(self.decode_graphs.logits(chunks), chunks)
+        bucket = self.decode_graphs.bucket(chunks) if self.decode_graphs is not None else None
+        if bucket is not None:
+            return self._sample(self.decode_graphs.logits(chunks, bucket), chunks)
         if self._fused_decode_applies(chunks):
             return self._sample(self._fused_decode_logits(chunks), chunks)
         if interrupt is None and self._fused_prefill_applies(chunks):
