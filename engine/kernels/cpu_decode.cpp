@@ -318,11 +318,14 @@ constexpr int kPanelRows = kWideRegs ? 8 : 4;
 // the two FMA ports asks for 8 independent accumulators: 8 int8 rows go as 6 + 2 (12 and 8
 // chains), not 4 + 4 (8 and 8, the bare minimum: 5 % slower at 8 rows, 10 % at 7).
 constexpr int kFullRowsI8 = kWideRegs ? 8 : 2, kHalfRowsI8 = 6;
-// int8 panels with the int16 dot product: blocks of up to 4 rows, the panel's 8 KiB then read
-// from L1 by the second block (2-core Zen 5, one process in turns: 8 rows of a 4096 x 768
-// matrix 90 us as 2 x 4 against 112 as one block of 8 and 97 as 4 + 4 of 6-row limit; 16 rows
-// 186 against 226; 2-row blocks 1.5x slower)
-constexpr int kFullRowsI16 = 4;
+// int8 panels with an integer dot product (VS_INT_DOT): with AVX-512 blocks of up to 4 rows,
+// the panel's 8 KiB then read from L1 by the second block (2-core Zen 5, one process in turns:
+// 8 rows of a 4096 x 768 matrix 90 us as 2 x 4 against 112 as one block of 8 and 97 as 4 + 4
+// of 6-row limit; 16 rows 186 against 226; 2-row blocks 1.5x slower). On AVX2 a half panel
+// of 4 rows (8 accumulators, 2 weight registers, the broadcast, its magnitude and the
+// products) or both halves of 1-2 rows: 8 rows as 4 x 4 half blocks 22 us, as 2 x 4 whole
+// ones 22 us (one Zen 3 core, weights in L2).
+constexpr int kFullRowsQ = kWideRegs ? 4 : 2, kHalfRowsQ = 4;
 constexpr int kFullRowsBf16 = kWideRegs ? 8 : 1, kHalfRowsBf16 = 6;
 
 // One row block of a panel pass: rows [m0, m0 + rows), halves [h0, h0 + V)
@@ -354,10 +357,11 @@ inline std::vector<PanelBlock> panel_blocks(int M, int full_rows, int half_rows)
   return out;
 }
 
-// k per int8 panel row: 1 where weights are widened to fp32, a pair where the int16 dot product
-// takes them (that build's panel holds (w[f][2i], w[f][2i + 1]) side by side, K padded to even)
-#ifdef VS_I16_DOT
-constexpr int64_t kI8PanelK = 2;
+// k per int8 panel row: 1 where weights are widened to fp32, the ISA's group where an integer
+// dot product takes them (a pair for AVX-512's int16 one, four for AVX2's int8 one: the panel
+// holds w[f][g i] .. w[f][g i + g - 1] side by side, K padded to a multiple of g)
+#ifdef VS_INT_DOT
+constexpr int64_t kI8PanelK = vs::kDotGroup;
 #else
 constexpr int64_t kI8PanelK = 1;
 #endif
@@ -421,41 +425,48 @@ __attribute__((noinline)) void panel_block_i8(const float* x, int64_t K, const i
     for (int v = 0; v < V; ++v) vs::store(acc_io[r] + 16 * (h0 + v), acc[0][r][v]);
 }
 
-#ifdef VS_I16_DOT
+#ifdef VS_INT_DOT
 // k per int8 panel pass (kPanelChunkBytes of a panel) and per activation scale: 256 k of int16 x
-// int8 products sum in int32 without overflow (256 * 32767 * 128 < 2^31)
+// int8 products sum in int32 without overflow (256 * 32767 * 128 < 2^31), int8 x int8 ones
+// with room to spare
 constexpr int64_t kI8ChunkK = 8192 / kPanel;  // kPanelChunkBytes / kPanel (checked below)
 
-// panel_block_i8 with the int16 dot product, over k pairs [i0, i1) (one 256-k chunk at most):
-// activations are int16 (row stride Kp) with one scale per row for this chunk (scale[r *
-// scale_stride]); the int32 sums leave the registers once, scaled, into the fp32 ``acc_io``.
-// Per 32 weights of a row: a sign extension and one vpdpwssd, where the fp32 path takes
-// two conversions and two FMAs -- at 8 rows the FMAs were the limit (int8 decode steps barely
-// faster than bf16 ones on a Zen 5), at 1 row the widening.
+// panel_block_i8 with the ISA's integer dot product, over k groups [i0, i1) (one 256-k chunk
+// at most): activations are quantized (vs::act_t, row stride Kp) with one scale per row for
+// this chunk (scale[r * scale_stride]); the int32 sums leave the registers once, scaled, into
+// the fp32 ``acc_io``. At 8 rows the fp32 path's FMAs were the limit (int8 decode steps barely
+// faster than bf16 ones on a Zen 5, 1.33x on a Zen 3), at 1 row the widening. AVX-512 VNNI:
+// per 32 weights of a row a sign extension and one vpdpwssd; AVX2: see isa/avx2.h.
 template <int R, int V, int S>
-__attribute__((noinline)) void panel_block_i8x16(const int16_t* xq, int64_t Kp,
+__attribute__((noinline)) void panel_block_i8q(const vs::act_t* xq, int64_t ld,
                                                  const int8_t* panel, int h0, int64_t i0,
                                                  int64_t i1, const float* scale,
                                                  int64_t scale_stride, bool first, bool prefetch,
                                                  float (*acc_io)[kPanel]) {
+  constexpr int64_t G = vs::kDotGroup;
   vs::vi acc[S][R][V];
   for (int s = 0; s < S; ++s)
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < V; ++v) acc[s][r][v] = vs::izero();
   auto step = [&](int s, int64_t i) {
-    const int8_t* wp = panel + i * 2 * kPanel;
-    vs::vi w[V];
-    for (int v = 0; v < V; ++v) w[v] = vs::load_i8_pairs(wp + 32 * (h0 + v));
+    const int8_t* wp = panel + i * G * kPanel;
+    vs::vwq w[V];
+    for (int v = 0; v < V; ++v) w[v] = vs::load_i8_group(wp + 16 * G * (h0 + v));
     for (int r = 0; r < R; ++r) {
-      const vs::vi xb = vs::broadcast_i16_pair(xq + r * Kp + 2 * i);
-      for (int v = 0; v < V; ++v) acc[s][r][v] = vs::dot_i16(acc[s][r][v], w[v], xb);
+      const vs::vxq xb = vs::broadcast_act(xq + r * ld + G * vs::kActSpread * i);
+      for (int v = 0; v < V; ++v) acc[s][r][v] = vs::dot_act(acc[s][r][v], w[v], xb);
     }
   };
   int64_t i = i0;
   for (; i + S <= i1; i += S) {
     for (int u = 0; u < S; ++u) {
-      // one 64-byte line of the panel per pair: prefetched 8 KiB ahead, as the other panels
-      if (prefetch) __builtin_prefetch(panel + (i + u) * 2 * kPanel + 8192);
+      // the group's 64 (pairs) or 128 bytes (quads) of the panel prefetched 8 KiB ahead, as
+      // the other panels
+      const int8_t* ahead = panel + (i + u) * G * kPanel + 8192;
+      if (prefetch) {
+        __builtin_prefetch(ahead);
+        if (G * kPanel > 64) __builtin_prefetch(ahead + 64);
+      }
       step(u, i + u);
     }
   }
@@ -539,7 +550,7 @@ __attribute__((noinline)) void panel_block(const float* x, int64_t K, const uint
 // from memory by the first block and from L1 by the others (block by block over the whole
 // panel, the first block alone streamed the weights, faster than memory could deliver them)
 constexpr int64_t kPanelChunkBytes = 8192;
-#ifdef VS_I16_DOT
+#ifdef VS_INT_DOT
 static_assert(kI8ChunkK == kPanelChunkBytes / kPanel, "one activation scale per int8 panel pass");
 #endif
 
@@ -571,19 +582,28 @@ PanelKernel<int8_t> i8_kernel_for(int R, int V) {
   return i8_kernel<2, 1>(R);
 }
 
-#ifdef VS_I16_DOT
-using PanelKernelI16 = void (*)(const int16_t*, int64_t, const int8_t*, int, int64_t, int64_t,
-                                const float*, int64_t, bool, bool, float (*)[kPanel]);
+#ifdef VS_INT_DOT
+using PanelKernelQ = void (*)(const vs::act_t*, int64_t, const int8_t*, int, int64_t, int64_t,
+                              const float*, int64_t, bool, bool, float (*)[kPanel]);
 
-// blocks hold 1..kFullRowsI16 rows and both halves of a panel (the build has 32 registers);
-// at 1-2 rows, enough accumulator sets for 8 independent chains
-static_assert(kWideRegs && kFullRowsI16 == 4, "the int16 kernels below cover 1-4 rows");
-PanelKernelI16 i16_kernel_for(int R) {
+// AVX-512: blocks of 1..4 rows and both halves of a panel, at 1-2 rows enough accumulator sets
+// for 8 independent vpdpwssd chains. AVX2: 1..4 rows of a half, or 1-2 rows of both halves;
+// one set (the chain through each accumulator is a 1-cycle add)
+static_assert(kFullRowsQ <= 4 && kHalfRowsQ == 4, "the kernels below cover 1-4 rows");
+PanelKernelQ q_kernel_for(int R, int V) {
+  if (kWideRegs || V == 2) {
+    switch (R) {
+      case 1: return kWideRegs ? &panel_block_i8q<1, 2, 4> : &panel_block_i8q<1, 2, 1>;
+      case 2: return kWideRegs ? &panel_block_i8q<2, 2, 2> : &panel_block_i8q<2, 2, 1>;
+      case 3: return &panel_block_i8q<3, 2, 1>;
+      default: return &panel_block_i8q<4, 2, 1>;
+    }
+  }
   switch (R) {
-    case 1: return &panel_block_i8x16<1, 2, 4>;
-    case 2: return &panel_block_i8x16<2, 2, 2>;
-    case 3: return &panel_block_i8x16<3, 2, 1>;
-    default: return &panel_block_i8x16<4, 2, 1>;
+    case 1: return &panel_block_i8q<1, 1, 1>;
+    case 2: return &panel_block_i8q<2, 1, 1>;
+    case 3: return &panel_block_i8q<3, 1, 1>;
+    default: return &panel_block_i8q<4, 1, 1>;
   }
 }
 #endif
@@ -605,17 +625,40 @@ PanelKernel<uint16_t> bf16_kernel(int R) {
 #endif
 
 // A step's activation rows as the panel kernels read them: widened to fp32, or, for int8
-// panels in builds with the int16 dot product, rounded to int16 with one fp32 scale per row and
-// kI8ChunkK k (that stretch's largest |x| / 32767). Every value keeps 15 bits against its
-// stretch's largest, where bf16 itself keeps 8 against the value: the int8 weights' own
-// rounding (1/254 of a channel's largest) stays what separates int8 from bf16 output.
+// panels in builds with an integer dot product, rounded to vs::act_t with one fp32 scale per
+// row and kI8ChunkK k (that stretch's largest |x| / vs::kActMax). int16 (AVX-512 VNNI) keeps 15
+// bits against the stretch's largest, where bf16 itself keeps 8 against the value: the int8
+// weights' own rounding (1/254 of a channel's largest) stays what separates int8 from bf16
+// output. int8 (AVX2) keeps 7 bits against the stretch's largest, as coarse as the weights:
+// the price of products that cost half the fp32 path's (isa/avx2.h); its greedy agreement and
+// logit error against bf16 are measured by benchmarks/int8.py and bounded by tests/engine.
 struct PanelInput {
   int M = 0;
   int64_t K = 0;
   std::vector<float> xf;  // [M, K]: fp32 kernels
-  std::vector<int16_t> xq;  // [M, Kp]: int16 dot product (Kp = K padded to even, zeros)
-  std::vector<float> xs;    // [M, chunks]: the scale of each row's stretch of kI8ChunkK k
+#ifdef VS_INT_DOT
+  // [M, ld]: integer dot product, K padded to Kp (a multiple of the group, zeros) in the
+  // ISA's activation layout (ld = Kp * vs::kActSpread)
+  std::vector<vs::act_t> xq;
+#endif
+  int64_t ld = 0;
+  std::vector<float> xs;  // [M, chunks]: the scale of each row's stretch of kI8ChunkK k
   int64_t Kp = 0, chunks = 0;
+  // int8 activations: values split off their stretch's rounding (see quantize_rows), row by
+  // row (outliers[outlier_start[m] .. outlier_start[m + 1]]), added in fp32 by panel_rows
+  struct Outlier {
+    int64_t k;
+    float value;
+  };
+  std::vector<Outlier> outliers;
+  std::vector<size_t> outlier_start;
+  bool quantized() const {
+#ifdef VS_INT_DOT
+    return !xq.empty();
+#else
+    return false;
+#endif
+  }
 };
 
 std::vector<float> widen_rows(int M, const bf16* x, int64_t K) {
@@ -627,33 +670,82 @@ std::vector<float> widen_rows(int M, const bf16* x, int64_t K) {
   return xf;
 }
 
-#ifdef VS_I16_DOT
-// Fills in.xq / in.xs (see PanelInput) for M rows of x [M, K]
-void quantize_rows_i16(int M, const bf16* x, int64_t K, PanelInput& in) {
+#ifdef VS_INT_DOT
+// Outliers of int8 activations: a value past kOutlierRms times its stretch's root mean square
+// would set the stretch's rounding step for all 256 values, and 7 bits against a massive
+// activation (LLM residual streams carry a few dimensions hundreds of times the rest, and
+// their norms pass them on) leave the others a handful of levels. Such values are taken out
+// of the int8 rounding and added in fp32 (LLM.int8()'s decomposition, per value). A Gaussian
+// stretch never has one (6 sigma: ~2e-9 a value); up to ~7 outliers in a stretch are caught
+// (8 would lift the root mean square to 1/6 of their size). int16 activations need none.
+constexpr bool kSplitOutliers = sizeof(vs::act_t) == 1;
+constexpr float kOutlierRms = 6.f;
+
+// Fills in.xq / in.xs / in.outliers (see PanelInput) for M rows of x [M, K]
+void quantize_rows(int M, const bf16* x, int64_t K, PanelInput& in) {
   in.M = M;
   in.K = K;
   in.Kp = i8_panel_k(K);
   in.chunks = (K + kI8ChunkK - 1) / kI8ChunkK;
-  in.xq.assign(static_cast<size_t>(M) * in.Kp, 0);
+  in.ld = in.Kp * vs::kActSpread;
+  in.xq.assign(static_cast<size_t>(M) * in.ld, 0);
   in.xs.resize(static_cast<size_t>(M) * in.chunks);
+  in.outliers.clear();
+  in.outlier_start.assign(M + 1, 0);
   for (int m = 0; m < M; ++m) {
     const bf16* row = x + m * K;
+    in.outlier_start[m] = in.outliers.size();
     for (int64_t c = 0; c < in.chunks; ++c) {
       const int64_t k0 = c * kI8ChunkK, k1 = std::min(K, k0 + kI8ChunkK);
-      vf amax = vs::zero();
+      vf amax = vs::zero(), sumsq = vs::zero();
       for (int64_t k = k0; k < k1; k += 16) {
         const vf v = vs::load_bf16(row + k, k1 - k);
         amax = vs::max(amax, vs::max(v, vs::sub(vs::zero(), v)));
+        sumsq = vs::fmadd(v, v, sumsq);
       }
-      const float a = vs::reduce_max(amax);
+      float a = vs::reduce_max(amax);
+      const size_t split_from = in.outliers.size();
+      if (kSplitOutliers) {
+        float limit = kOutlierRms * std::sqrt(vs::reduce_add(sumsq) / (k1 - k0));
+        if (a > limit) {
+          // rare: scalar passes narrow the limit to 6x the root mean square of the values
+          // within it (a few outliers in a short stretch lift the first one), then take the
+          // outliers out and the rest's max
+          for (int pass = 0; pass < 4; ++pass) {
+            double inner_sumsq = 0;
+            int64_t inner = 0;
+            float inner_max = 0.f;
+            for (int64_t k = k0; k < k1; ++k) {
+              const float v = std::fabs(f32(row[k]));
+              if (v > limit) continue;
+              inner_sumsq += double(v) * v;
+              inner_max = std::max(inner_max, v);
+              ++inner;
+            }
+            const float narrower = kOutlierRms * std::sqrt(float(inner_sumsq / std::max<int64_t>(inner, 1)));
+            if (inner_max <= narrower) break;
+            limit = narrower;
+          }
+          a = 0.f;
+          for (int64_t k = k0; k < k1; ++k) {
+            const float v = f32(row[k]);
+            if (std::fabs(v) > limit)
+              in.outliers.push_back({k, v});
+            else
+              a = std::max(a, std::fabs(v));
+          }
+        }
+      }
       const bool nonzero = a > 0.f;  // NaN compares false: zeros, then a NaN scale
-      in.xs[m * in.chunks + c] = nonzero ? a / 32767.f : (a == 0.f ? 0.f : a);
-      const vf inv = vs::set1(nonzero ? 32767.f / a : 0.f);
+      in.xs[m * in.chunks + c] = nonzero ? a / vs::kActMax : (a == 0.f ? 0.f : a);
+      const vf inv = vs::set1(nonzero ? vs::kActMax / a : 0.f);
+      vs::act_t* q = in.xq.data() + m * in.ld;
       for (int64_t k = k0; k < k1; k += 16)
-        vs::store_i16(in.xq.data() + m * in.Kp + k, vs::mul(vs::load_bf16(row + k, k1 - k), inv),
-                      k1 - k);
+        vs::store_act(q + k * vs::kActSpread, vs::mul(vs::load_bf16(row + k, k1 - k), inv), k1 - k);
+      for (size_t o = split_from; o < in.outliers.size(); ++o) vs::clear_act(q, in.outliers[o].k);
     }
   }
+  in.outlier_start[M] = in.outliers.size();
 }
 #endif
 
@@ -661,9 +753,9 @@ PanelInput panel_input(int M, const bf16* x, const Panels& w) {
   PanelInput in;
   in.M = M;
   in.K = w.K;
-#ifdef VS_I16_DOT
+#ifdef VS_INT_DOT
   if (w.int8) {
-    quantize_rows_i16(M, x, w.K, in);
+    quantize_rows(M, x, w.K, in);
     return in;
   }
 #endif
@@ -677,20 +769,20 @@ void panel_rows(const PanelInput& in, const Panels& w, int64_t p0, int64_t p1, f
                 int64_t ld_acc) {
   const int M = in.M;
   const int64_t K = w.K;
-  const bool i16 = !in.xq.empty();
+  const bool qdot = in.quantized();
   thread_local std::vector<float> sums;
   sums.resize(static_cast<size_t>(M) * kPanel);
   float(*rows_acc)[kPanel] = reinterpret_cast<float(*)[kPanel]>(sums.data());
   const std::vector<PanelBlock> blocks =
       !w.int8 ? panel_blocks(M, kFullRowsBf16, kHalfRowsBf16)
-      : i16   ? panel_blocks(M, kFullRowsI16, kHalfRowsI8)
+      : qdot  ? panel_blocks(M, kFullRowsQ, kHalfRowsQ)
               : panel_blocks(M, kFullRowsI8, kHalfRowsI8);
   struct Planned {
     PanelBlock b;
     PanelKernel<int8_t> i8;
     PanelKernel<uint16_t> b16;
-#ifdef VS_I16_DOT
-    PanelKernelI16 i8x16;
+#ifdef VS_INT_DOT
+    PanelKernelQ i8q;
 #endif
   };
   std::vector<Planned> plan;
@@ -698,10 +790,10 @@ void panel_rows(const PanelInput& in, const Panels& w, int64_t p0, int64_t p1, f
     Planned p{};
     p.b = b;
     if (w.int8) {
-#ifdef VS_I16_DOT
-      if (i16) p.i8x16 = i16_kernel_for(b.rows);
+#ifdef VS_INT_DOT
+      if (qdot) p.i8q = q_kernel_for(b.rows, b.V);
 #endif
-      if (!i16) p.i8 = i8_kernel_for(b.rows, b.V);
+      if (!qdot) p.i8 = i8_kernel_for(b.rows, b.V);
     } else {
 #ifdef VS_BF16_DOT
       TORCH_CHECK(false, "bf16 panels are the emulated builds' GEMV");
@@ -711,10 +803,11 @@ void panel_rows(const PanelInput& in, const Panels& w, int64_t p0, int64_t p1, f
     }
     plan.push_back(p);
   }
-  // per pass: k (int8, 32 bytes each), k pairs (int8 for the int16 dot product, 64 bytes each;
-  // bf16, 128 bytes each)
-  const int64_t steps = i16 ? in.Kp / 2 : w.int8 ? K : K / 2;
-  const int64_t chunk = kPanelChunkBytes / (i16 ? 2 * kPanel : w.int8 ? kPanel : 4 * kPanel);
+  // per pass: k (int8, 32 bytes each), k groups (int8 for an integer dot product, 32 bytes a
+  // k; bf16 pairs, 128 bytes each)
+  const int64_t steps = qdot ? in.Kp / kI8PanelK : w.int8 ? K : K / 2;
+  const int64_t chunk =
+      kPanelChunkBytes / (qdot ? kI8PanelK * kPanel : w.int8 ? kPanel : 4 * kPanel);
   const int64_t panel_k = w.int8 ? i8_panel_k(K) : K;
   const float* scales = w.int8 ? w.scales.data_ptr<float>() : nullptr;
   for (int64_t p = p0; p < p1; ++p) {
@@ -725,9 +818,9 @@ void panel_rows(const PanelInput& in, const Panels& w, int64_t p0, int64_t p1, f
         const bool first = i0 == 0, prefetch = j == 0;
         if (w.int8) {
           const int8_t* panel = static_cast<const int8_t*>(w.data.data_ptr()) + p * panel_k * kPanel;
-#ifdef VS_I16_DOT
-          if (i16) {
-            plan[j].i8x16(in.xq.data() + b.m0 * in.Kp, in.Kp, panel, b.h0, i0, i1,
+#ifdef VS_INT_DOT
+          if (qdot) {
+            plan[j].i8q(in.xq.data() + b.m0 * in.ld, in.ld, panel, b.h0, i0, i1,
                           in.xs.data() + b.m0 * in.chunks + i0 / chunk, in.chunks, first,
                           prefetch, rows_acc + b.m0);
             continue;
@@ -744,6 +837,16 @@ void panel_rows(const PanelInput& in, const Panels& w, int64_t p0, int64_t p1, f
       }
     }
     const int64_t features = std::min<int64_t>(kPanel, w.N - p * kPanel);
+    if (qdot && !in.outliers.empty()) {  // the values quantize_rows split off, in fp32
+      const int8_t* panel = static_cast<const int8_t*>(w.data.data_ptr()) + p * panel_k * kPanel;
+      constexpr int64_t G = kI8PanelK;
+      for (int m = 0; m < M; ++m)
+        for (size_t o = in.outlier_start[m]; o < in.outlier_start[m + 1]; ++o) {
+          const auto [k, value] = in.outliers[o];
+          const int8_t* column = panel + k / G * G * kPanel + k % G;  // w[32 p + f][k] at f * G
+          for (int64_t f = 0; f < features; ++f) rows_acc[m][f] += value * column[f * G];
+        }
+    }
     for (int m = 0; m < M; ++m) {
       float* dst = acc + m * ld_acc + (p - p0) * kPanel;
       if (scales == nullptr) {
@@ -885,11 +988,12 @@ TileInput tile_input(int M, const bf16* x, const TiledWeights& w) {
     return in;
   }
   PanelInput q;
-  quantize_rows_i16(M, x, w.K, q);
+  quantize_rows(M, x, w.K, q);  // int16: this build has VS_I16_DOT
   static_assert(kI8ChunkK == amx::kTileKI8 * amx::kChunkBlocksI8, "one scale per 256 k");
   in.hi.resize(static_cast<size_t>(M) * w.K);
   in.lo.resize(static_cast<size_t>(M) * w.K);
-  amx::pack_activations_i8(M, q.xq.data(), q.Kp, w.K, in.hi.data(), in.lo.data());
+  static_assert(vs::kActSpread == 1, "the tiles read the int16 activations as they are");
+  amx::pack_activations_i8(M, q.xq.data(), q.ld, w.K, in.hi.data(), in.lo.data());
   std::vector<float> scale(static_cast<size_t>(M) * q.chunks);
   for (int m = 0; m < M; ++m)
     for (int64_t c = 0; c < q.chunks; ++c) scale[c * M + m] = q.xs[m * q.chunks + c];
@@ -2056,11 +2160,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("bf16_dot") = false;
 #endif
-  // int8 panels take int16 activations (one scale per row and 256 k: panel_input)
-#ifdef VS_I16_DOT
-  m.attr("int8_i16_activations") = true;
+  // the bits int8 panels round activations to (one scale per row and 256 k: panel_input): 16
+  // (AVX-512 VNNI), 8 (AVX2), 0 where they are widened to fp32
+#ifdef VS_INT_DOT
+  m.attr("int8_activation_bits") = static_cast<int>(8 * sizeof(vs::act_t));
 #else
-  m.attr("int8_i16_activations") = false;
+  m.attr("int8_activation_bits") = 0;
 #endif
   pybind11::class_<FusedDecoder>(m, "FusedDecoder")
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor,

@@ -94,6 +94,9 @@ def test_logits_and_greedy_tokens_track_the_unquantized_model(pair) -> None:
     fp32, int8 = pair
     fp32_acts = fp32.engine.dtype == torch.float32
     bound, min_agreement = (0.03, 0.8) if fp32_acts else (0.04, 0.55)
+    kernels = load_cpu_decode()
+    if not fp32_acts and kernels is not None and kernels.int8_activation_bits == 8:
+        bound = 0.06  # AVX2 rounds the activations to int8 too: 5.0 % at worst, measured
     agree = total = 0
     for conv in PROMPTS:
         # tokens and logits from the same run: a second run of a prompt hits the prefix cache
@@ -129,8 +132,9 @@ def test_int8_panels_compute_with_the_dequantized_weight(rows, n, k) -> None:
     """The fused step's int8 GEMV (panels, any row count): a last panel short of 32 features,
     odd K, K past one 256-k chunk, every row-block shape (1-2 rows both panel halves, more in
     half blocks on AVX2). Where activations are widened to fp32 only the summation order
-    differs from x @ (q * s).T; where the build rounds them to int16 (one scale per row and
-    256 k), each output moves by at most half a step of that rounding per term, no more."""
+    differs from x @ (q * s).T; where the build rounds them to int16 (AVX-512 VNNI) or int8
+    (AVX2), one scale per row and 256 k, each output moves by at most half a step of that
+    rounding per term, no more."""
     kernels = load_cpu_decode()
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=gen).bfloat16()
@@ -140,18 +144,59 @@ def test_int8_panels_compute_with_the_dequantized_weight(rows, n, k) -> None:
     want = x.float() @ w.T
     assert got.dtype == torch.float32 and got.shape == (rows, n)
     atol = 2e-6 * k
-    if kernels.int8_i16_activations:
+    bits = kernels.int8_activation_bits
+    if bits:
         stretch_max = torch.cat(
             [c.abs().amax(dim=1, keepdim=True).expand_as(c) for c in x.float().split(256, dim=1)],
             dim=1,
         )
-        half_step = stretch_max / 32767 / 2  # [rows, k]
+        act_max = 2 ** (bits - 1) - 1  # 32767 or 127
+        half_step = stretch_max / act_max / 2  # [rows, k]
         rounding = half_step @ w.abs().T  # [rows, n]: the worst case of every term at once
         assert (got - want).abs().le(rounding * 1.01 + atol).all()
-        # and not merely inside the worst case: the typical error is far below it
-        assert ((got - want).norm() / want.norm()).item() < 1e-4
+        # and not merely inside the worst case: the typical error is far below it (random
+        # rounding errors add as a random walk: ~ the worst case / sqrt(k) and smaller)
+        typical = {16: 1e-4, 8: 2e-2}[bits]
+        assert ((got - want).norm() / want.norm()).item() < typical
     else:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=atol)
+
+
+@needs_decode_kernel
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_int8_panels_keep_massive_activations_out_of_the_rounding(rows) -> None:
+    """LLM residual streams carry a few dimensions hundreds of times the rest (massive
+    activations); with int8 activations (AVX2) one of them would set the rounding step of the
+    255 other values of its 256-k stretch. Values past 6x the stretch's root mean square are
+    added in fp32 instead: every output stays within the rounding bound of the stretch's
+    other values -- 1, 2 and 3 outliers in a stretch, at either sign, one at the last k, 3
+    in a short last stretch (88 k: there the first limit, 6x the root mean square of all,
+    lets two through and is narrowed)."""
+    kernels = load_cpu_decode()
+    n, k = 70, 600
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen)
+    for col, value in [(3, 400.0), (300, -250.0), (310, 180.0), (520, 90.0), (530, -300.0)]:
+        x[:, col] = value  # one outlier in the first stretch, two in the second, ...
+    x[:, k - 1] = 500.0  # ... and three in the last (a short one: 88 k)
+    x = x.bfloat16()
+    q, scales = quantize_int8(torch.randn(n, k, generator=gen))
+    got = kernels.PanelGemv(q, scales).forward(x)
+    w = q.float() * scales[:, None]
+    want = x.float() @ w.T
+    bits = kernels.int8_activation_bits
+    if not bits:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6 * k)
+        return
+    stretches = []
+    for c in x.float().split(256, dim=1):
+        inliers = c.abs() <= 50  # the planted values are the outliers, all of them
+        if bits == 16:  # int16 activations need no split
+            inliers = torch.ones_like(inliers)
+        stretches.append((c.abs() * inliers).amax(dim=1, keepdim=True).expand_as(c))
+    half_step = torch.cat(stretches, dim=1) / (2 ** (bits - 1) - 1) / 2
+    rounding = half_step @ w.abs().T
+    assert (got - want).abs().le(rounding * 1.01 + 2e-6 * k * x.float().abs().max()).all()
 
 
 def _amx_int8() -> bool:
@@ -220,8 +265,13 @@ def test_fused_int8_step_logits_match_the_eager_int8_path(bf16_int8) -> None:
     (Int8Linear's GEMV, per-op norms, SDPA) compute the same products with the same
     roundings, so the logits differ by fp32 summation order and the bf16 roundings it flips:
     measured at most 1.2 % of the largest logit (mean 0.25 %), the same as bf16 weights'
-    fused-against-eager difference (1.9 %, 0.3 %; their test allows 6 %)."""
+    fused-against-eager difference (1.9 %, 0.3 %; their test allows 6 %). On AVX2 the fused
+    step also rounds the activations to int8 (one scale per row and 256 k): there the
+    difference is that rounding's, bounded at 5 % / 1 % (measured: 2.7 % / 0.56 % at worst)."""
     from tests.engine.test_cpu_decode_kernel import _LogitsPairs
+
+    int8_acts = load_cpu_decode().int8_activation_bits == 8
+    max_rel, mean_rel = (0.05, 0.01) if int8_acts else (0.03, 0.005)
 
     runner = bf16_int8.engine.runner
     assert runner.fused_decoder is not None and bf16_int8.engine.model.decode_kernel_scales
@@ -231,8 +281,8 @@ def test_fused_int8_step_logits_match_the_eager_int8_path(bf16_int8) -> None:
     assert {fused.shape[0] for fused, _ in pairs.pairs} >= {1, 5}
     for fused, eager in pairs.pairs:
         scale, diff = eager.abs().max().item(), (fused - eager).abs()
-        assert diff.max().item() <= 0.03 * scale, f"max |fused - eager| {diff.max():.4f}"
-        assert diff.mean().item() <= 0.005 * scale, f"mean |fused - eager| {diff.mean():.4f}"
+        assert diff.max().item() <= max_rel * scale, f"max |fused - eager| {diff.max():.4f}"
+        assert diff.mean().item() <= mean_rel * scale, f"mean |fused - eager| {diff.mean():.4f}"
         # the same token wherever the eager top two lie further apart than that noise (a
         # near-tie may go either way: seen on an AMX CPU, whose prompts attend through torch)
         top2 = eager.topk(2, dim=-1).values

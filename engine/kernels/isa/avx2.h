@@ -208,4 +208,70 @@ inline vf hsum16(const vf* v) {
   return {hsum8(t), hsum8(t + 8)};
 }
 
+// The int8 quad dot product: int8 panels take int8 activations (a scale per row and 256 k, see
+// panel_input in cpu_decode.cpp), four adjacent k of a feature side by side in the panel. AVX2
+// has no int8 multiply-accumulate into int32 (AVX-VNNI's vpdpbusd is Alder Lake and later); its
+// vpmaddubsw multiplies unsigned by signed bytes into saturating int16 pairs, so the activation
+// goes in as |x| and its sign moves onto the weight (vpsignb): with both in [-127, 127] a pair
+// sums to at most 2 * 127 * 127 < 32767 and nothing saturates (the weight quantiser clamps to
+// -127: a -128 weight would not negate). vpmaddwd against ones then sums the pairs into int32.
+// Four ALU uops per 32 products a row, spread over all four vector ports, where widening to
+// fp32 takes four FMAs on the two FMA ports: 8 rows of a 256 x 768 matrix (one core, weights in
+// L2, Zen 3) 22 us against 34.
+#define VS_INT_DOT 1
+constexpr int64_t kDotGroup = 4;  // k per int8 group of a feature in the panel
+using act_t = int8_t;
+constexpr float kActMax = 127.f;
+struct vi {  // 16 int32 lanes
+  __m256i lo, hi;
+};
+struct vwq {  // 16 features x 4 k of int8, feature by feature
+  __m256i lo, hi;
+};
+struct vxq {  // one activation quad in every 32-bit lane: as signed, and its magnitude
+  __m256i s, a;
+};
+// activations are laid out group by group as the 4 signed values, then their 4 magnitudes:
+// taking |x| in registers instead, per row and quad, cost ~4 % of the block's time at 8 rows
+constexpr int64_t kActSpread = 2;  // activation elements per k
+inline vi izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline vi iadd(vi a, vi b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
+inline vwq load_i8_group(const int8_t* p) {
+  const __m256i* q = reinterpret_cast<const __m256i*>(p);
+  return {_mm256_loadu_si256(q), _mm256_loadu_si256(q + 1)};
+}
+inline vxq broadcast_act(const int8_t* p) {
+  int32_t quad, magnitude;
+  std::memcpy(&quad, p, sizeof(quad));
+  std::memcpy(&magnitude, p + 4, sizeof(magnitude));
+  return {_mm256_set1_epi32(quad), _mm256_set1_epi32(magnitude)};
+}
+inline __m256i dot_quads(__m256i acc, __m256i w, vxq x) {
+  const __m256i pairs = _mm256_maddubs_epi16(x.a, _mm256_sign_epi8(w, x.s));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+inline vi dot_act(vi acc, vwq w, vxq x) { return {dot_quads(acc.lo, w.lo, x), dot_quads(acc.hi, w.hi, x)}; }
+inline vf to_float(vi v) { return {_mm256_cvtepi32_ps(v.lo), _mm256_cvtepi32_ps(v.hi)}; }
+// activation k of a row in the layout above set to zero (its value and its magnitude)
+inline void clear_act(int8_t* row, int64_t k) {
+  row[k / 4 * 8 + k % 4] = 0;
+  row[k / 4 * 8 + 4 + k % 4] = 0;
+}
+// round(x) clamped to [-127, 127] (inputs within it but for rounding) for 16 k from a group
+// boundary, written in the activation layout above (32 bytes at p); lanes past n must be zero
+// (they are stored, as zeros, up to the end of their group)
+inline void store_act(int8_t* p, vf x, int64_t n) {
+  const __m256i lo = _mm256_cvtps_epi32(x.lo), hi = _mm256_cvtps_epi32(x.hi);
+  // packs interleave 128-bit halves: [lo0-3, hi0-3, lo4-7, hi4-7] -> words, then bytes
+  const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
+  __m128i b = _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+  b = _mm_max_epi8(b, _mm_set1_epi8(-127));
+  const __m128i a = _mm_abs_epi8(b);
+  const __m256i out = _mm256_set_m128i(_mm_unpackhi_epi32(b, a), _mm_unpacklo_epi32(b, a));
+  if (n >= 16) return _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), out);
+  alignas(32) int8_t buf[32];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(buf), out);
+  if (n > 0) std::memcpy(p, buf, (n + 3) / 4 * 8);
+}
+
 }  // namespace vs

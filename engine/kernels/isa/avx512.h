@@ -139,24 +139,35 @@ inline vpair vf_as_pairs(vf v) { return _mm512_castps_si512(v); }
 // panel_input in cpu_decode.cpp): 32 weights a sign extension and one instruction per row,
 // where widening to fp32 took four and two FMAs. Every AVX512-BF16 CPU has it (Cooper Lake,
 // Sapphire Rapids and later, Zen 4 and later); the native build is compiled with it.
-#define VS_I16_DOT 1
-using vi = __m512i;  // 16 int32 lanes
+// VS_INT_DOT's vocabulary (isa/avx2.h has the int8 one): kDotGroup k of a feature side by
+// side in the panel, activations of act_t, load_i8_group / broadcast_act / dot_act / store_act.
+#define VS_INT_DOT 1
+#define VS_I16_DOT 1  // the AMX-INT8 tiles split these int16 activations into bytes
+constexpr int64_t kDotGroup = 2;
+using act_t = int16_t;
+constexpr float kActMax = 32767.f;
+using vi = __m512i;   // 16 int32 lanes
+using vwq = __m512i;  // 16 features x 2 k, sign-extended to int16
+using vxq = __m512i;  // one activation pair in every 32-bit lane
+constexpr int64_t kActSpread = 1;  // activation elements per k: the int16 values themselves
 inline vi izero() { return _mm512_setzero_si512(); }
 inline vi iadd(vi a, vi b) { return _mm512_add_epi32(a, b); }
 // 32 int8 (16 pairs of adjacent k) sign-extended to int16
-inline vi load_i8_pairs(const int8_t* p) {
+inline vwq load_i8_group(const int8_t* p) {
   return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-inline vi dot_i16(vi acc, vi a, vi b) { return _mm512_dpwssd_epi32(acc, a, b); }
+inline vi dot_act(vi acc, vwq a, vxq b) { return _mm512_dpwssd_epi32(acc, a, b); }
 // two adjacent int16 in every 32-bit lane, broadcast straight from memory
-inline vi broadcast_i16_pair(const int16_t* p) {
+inline vxq broadcast_act(const int16_t* p) {
   int32_t pair;
   std::memcpy(&pair, p, sizeof(pair));
   return _mm512_set1_epi32(pair);
 }
 inline vf to_float(vi v) { return _mm512_cvtepi32_ps(v); }
+// activation k of a row set to zero
+inline void clear_act(int16_t* row, int64_t k) { row[k] = 0; }
 // round(x) saturated to int16, lanes [0, n) stored
-inline void store_i16(int16_t* p, vf x, int64_t n) {
+inline void store_act(int16_t* p, vf x, int64_t n) {
   _mm256_mask_storeu_epi16(p, lanes(n), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(x)));
 }
 #endif
