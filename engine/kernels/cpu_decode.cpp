@@ -304,7 +304,10 @@ constexpr int64_t kPanel = 32;
 constexpr bool kWideRegs = vs::kVecRegs >= 32;
 // fewest rows that take bf16 panels: on an Ice Lake at 6 rows they were 4 % slower; on a Zen 3
 // (AVX2, 6-row blocks) from 4 rows they are faster (4 rows: 10.6 against 14.6 ms a decoder
-// pass), at 2-3 rows the same
+// pass), at 2-3 rows the same. Session 33 (Zen 3): the GEMV alone (benchmarks/gemv.py --rows 1 2
+// 3 --lm-head, three runs) read panels 7-11 % faster at 1 row and 4-8 % at 2, but engine decode
+// steps with both builds in turns (the bf16 side of benchmarks/int8.py, three pairs) read 1 row
+// the same and 2 rows 6-16 % slower with panels from 1 row: 4 stays
 constexpr int kPanelRows = kWideRegs ? 8 : 4;
 
 // Register blocks of the panel kernels: R activation rows x V halves (16 features each) of a
