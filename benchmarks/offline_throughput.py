@@ -119,6 +119,7 @@ def ours(args, model_dir, frames):
         cpu_kernels=args.cpu_kernels,
         device=args.device,
         enforce_eager=args.enforce_eager,
+        quantization=args.quantization,
     )
     eng = llm.engine
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -269,6 +270,12 @@ def main() -> None:
         help="image: one camera frame per request (vision-tower-bound on a CPU); text: chat "
         "prompts alone (decode-bound)",
     )
+    ap.add_argument(
+        "--quantization",
+        choices=["none", "int8"],
+        default="none",
+        help="our engine's weights (transformers keeps its dtype): int8 reads 1 byte a weight",
+    )
     ap.add_argument("--out", default="offline_throughput.json")
     args = ap.parse_args()
     device = resolve_device(args.device)
@@ -295,7 +302,8 @@ def main() -> None:
 
     o.pop("model")
     cfg = o.pop("cfg")
-    n_params, bytes_per_token = text_params(model_dir, dtype.itemsize)
+    weight_bytes = 1 if args.quantization == "int8" else dtype.itemsize
+    n_params, bytes_per_token = text_params(model_dir, weight_bytes)
     bound_step = bytes_per_token / bandwidth
 
     def prefill_mfu(r):
@@ -319,7 +327,7 @@ def main() -> None:
         "decode_bw_util": {
             "ours": bound_step / o["decode_step_s"],
             # transformers streams its own dtype's bytes
-            "transformers": bound_step * hf_dtype.itemsize / dtype.itemsize / b["decode_step_s"],
+            "transformers": bound_step * hf_dtype.itemsize / weight_bytes / b["decode_step_s"],
         },
         "prefill_mfu": {"ours": prefill_mfu(o), "transformers": prefill_mfu(b)},
         "args": vars(args),
