@@ -442,10 +442,10 @@ constexpr int64_t kI8ChunkK = 8192 / kPanel;  // kPanelChunkBytes / kPanel (chec
 // per 32 weights of a row a sign extension and one vpdpwssd; AVX2: see isa/avx2.h.
 template <int R, int V, int S>
 __attribute__((noinline)) void panel_block_i8q(const vs::act_t* xq, int64_t ld,
-                                                 const int8_t* panel, int h0, int64_t i0,
-                                                 int64_t i1, const float* scale,
-                                                 int64_t scale_stride, bool first, bool prefetch,
-                                                 float (*acc_io)[kPanel]) {
+                                               const int8_t* panel, int h0, int64_t i0,
+                                               int64_t i1, const float* scale,
+                                               int64_t scale_stride, bool first, bool prefetch,
+                                               float (*acc_io)[kPanel]) {
   constexpr int64_t G = vs::kDotGroup;
   vs::vi acc[S][R][V];
   for (int s = 0; s < S; ++s)
@@ -632,9 +632,10 @@ PanelKernel<uint16_t> bf16_kernel(int R) {
 // row and kI8ChunkK k (that stretch's largest |x| / vs::kActMax). int16 (AVX-512 VNNI) keeps 15
 // bits against the stretch's largest, where bf16 itself keeps 8 against the value: the int8
 // weights' own rounding (1/254 of a channel's largest) stays what separates int8 from bf16
-// output. int8 (AVX2) keeps 7 bits against the stretch's largest, as coarse as the weights:
-// the price of products that cost half the fp32 path's (isa/avx2.h); its greedy agreement and
-// logit error against bf16 are measured by benchmarks/int8.py and bounded by tests/engine.
+// output. int8 (AVX2) keeps 7 bits and a sign against the stretch's largest (outliers split
+// off, see quantize_rows), as coarse as the weights: the price of products that cost half the
+// fp32 path's (isa/avx2.h); its greedy agreement and logit error against bf16 are measured by
+// benchmarks/int8.py and bounded by tests/engine/test_int8.py.
 struct PanelInput {
   int M = 0;
   int64_t K = 0;
@@ -679,8 +680,9 @@ std::vector<float> widen_rows(int M, const bf16* x, int64_t K) {
 // activation (LLM residual streams carry a few dimensions hundreds of times the rest, and
 // their norms pass them on) leave the others a handful of levels. Such values are taken out
 // of the int8 rounding and added in fp32 (LLM.int8()'s decomposition, per value). A Gaussian
-// stretch never has one (6 sigma: ~2e-9 a value); up to ~7 outliers in a stretch are caught
-// (8 would lift the root mean square to 1/6 of their size). int16 activations need none.
+// stretch never has one (6 sigma: ~2e-9 a value). Several outliers lift the stretch's root
+// mean square with them, so the limit is narrowed to that of the values within it, a few
+// passes at most. int16 activations need none.
 constexpr bool kSplitOutliers = sizeof(vs::act_t) == 1;
 constexpr float kOutlierRms = 6.f;
 
@@ -725,7 +727,8 @@ void quantize_rows(int M, const bf16* x, int64_t K, PanelInput& in) {
               inner_max = std::max(inner_max, v);
               ++inner;
             }
-            const float narrower = kOutlierRms * std::sqrt(float(inner_sumsq / std::max<int64_t>(inner, 1)));
+            const float narrower =
+                kOutlierRms * std::sqrt(float(inner_sumsq / std::max<int64_t>(inner, 1)));
             if (inner_max <= narrower) break;
             limit = narrower;
           }
@@ -744,7 +747,8 @@ void quantize_rows(int M, const bf16* x, int64_t K, PanelInput& in) {
       const vf inv = vs::set1(nonzero ? vs::kActMax / a : 0.f);
       vs::act_t* q = in.xq.data() + m * in.ld;
       for (int64_t k = k0; k < k1; k += 16)
-        vs::store_act(q + k * vs::kActSpread, vs::mul(vs::load_bf16(row + k, k1 - k), inv), k1 - k);
+        vs::store_act(q + k * vs::kActSpread, vs::mul(vs::load_bf16(row + k, k1 - k), inv),
+                      k1 - k);
       for (size_t o = split_from; o < in.outliers.size(); ++o) vs::clear_act(q, in.outliers[o].k);
     }
   }
@@ -824,8 +828,8 @@ void panel_rows(const PanelInput& in, const Panels& w, int64_t p0, int64_t p1, f
 #ifdef VS_INT_DOT
           if (qdot) {
             plan[j].i8q(in.xq.data() + b.m0 * in.ld, in.ld, panel, b.h0, i0, i1,
-                          in.xs.data() + b.m0 * in.chunks + i0 / chunk, in.chunks, first,
-                          prefetch, rows_acc + b.m0);
+                        in.xs.data() + b.m0 * in.chunks + i0 / chunk, in.chunks, first,
+                        prefetch, rows_acc + b.m0);
             continue;
           }
 #endif
