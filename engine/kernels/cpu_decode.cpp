@@ -706,11 +706,11 @@ void quantize_rows(int M, const bf16* x, int64_t K, PanelInput& in) {
       for (int64_t k = k0; k < k1; k += 16) {
         const vf v = vs::load_bf16(row + k, k1 - k);
         amax = vs::max(amax, vs::max(v, vs::sub(vs::zero(), v)));
-        sumsq = vs::fmadd(v, v, sumsq);
+        if constexpr (kSplitOutliers) sumsq = vs::fmadd(v, v, sumsq);  // int16 needs none
       }
       float a = vs::reduce_max(amax);
       const size_t split_from = in.outliers.size();
-      if (kSplitOutliers) {
+      if constexpr (kSplitOutliers) {
         float limit = kOutlierRms * std::sqrt(vs::reduce_add(sumsq) / (k1 - k0));
         if (a > limit) {
           // rare: scalar passes narrow the limit to 6x the root mean square of the values
