@@ -291,12 +291,18 @@ void dot_rows_blocked(const Activations& xs, const bf16* w, int64_t n0, int64_t 
 struct Panels {
   // bf16: [P, K / 2, 64]: panel p, k pair i holds features 32p .. 32p + 15 as pairs
   // (w[f][2i], w[f][2i + 1]), then features 32p + 16 .. 32p + 31.
-  // int8: [P, K, 32]: panel p, row k holds w[32p + f][k] for f < 32.
-  // Missing features (past N) are zeros.
+  // int8: [P, Kp / g, 32, g]: panel p, group i holds w[32p + f][g i .. g i + g - 1] for f < 32
+  // (g = ``group``: 1 where activations are widened, the integer dot product's group else; K
+  // padded with zeros to Kp, a multiple of g). Missing features (past N) are zeros.
   at::Tensor data;
   at::Tensor scales;  // int8: fp32 [N], the per-output-channel scales
+  // int8 with offset activations (vs::U8Dot): int32 [P, chunks, 32], the offset's share of
+  // each feature's products per 256 k (kZero times the weights' sum there), taken off in int32
+  at::Tensor offsets;
   int64_t N = 0, K = 0;
   bool int8 = false;
+  int bits = 0;        // int8: the bits its activations are rounded to (0: widened to fp32)
+  int64_t group = 1;  // int8: k per group (see data)
   bool defined() const { return data.defined(); }
 };
 
@@ -321,14 +327,18 @@ constexpr int kPanelRows = kWideRegs ? 8 : 4;
 // the two FMA ports asks for 8 independent accumulators: 8 int8 rows go as 6 + 2 (12 and 8
 // chains), not 4 + 4 (8 and 8, the bare minimum: 5 % slower at 8 rows, 10 % at 7).
 constexpr int kFullRowsI8 = kWideRegs ? 8 : 2, kHalfRowsI8 = 6;
-// int8 panels with an integer dot product (VS_INT_DOT): with AVX-512 blocks of up to 4 rows,
-// the panel's 8 KiB then read from L1 by the second block (2-core Zen 5, one process in turns:
+// int8 panels with an integer dot product (VS_INT_DOT): int16 ones (AVX-512) in blocks of up to
+// 4 rows, the panel's 8 KiB then read from L1 by the second block (2-core Zen 5, one process in turns:
 // 8 rows of a 4096 x 768 matrix 90 us as 2 x 4 against 112 as one block of 8 and 97 as 4 + 4
 // of 6-row limit; 16 rows 186 against 226; 2-row blocks 1.5x slower). On AVX2 a half panel
 // of 4 rows (8 accumulators, 2 weight registers, the broadcast, its magnitude and the
 // products) or both halves of 1-2 rows: 8 rows as 4 x 4 half blocks 22 us, as 2 x 4 whole
 // ones 22 us (one Zen 3 core, weights in L2).
+// AVX-512's unsigned int8 product (vs::U8Dot) takes up to 8 rows in one block (16
+// accumulators): as 2 x 4 the first block waited on memory while the second ran from L1, and
+// 8 rows of a 64 MiB matrix took 2.5-2.8 ms against 1.7-2.0 at 4 rows; in one block 1.96 (Zen 4).
 constexpr int kFullRowsQ = kWideRegs ? 4 : 2, kHalfRowsQ = 4;
+constexpr int kFullRowsQ8 = kWideRegs ? 8 : kFullRowsQ;
 constexpr int kFullRowsBf16 = kWideRegs ? 8 : 1, kHalfRowsBf16 = 6;
 
 // One row block of a panel pass: rows [m0, m0 + rows), halves [h0, h0 + V)
@@ -360,19 +370,58 @@ inline std::vector<PanelBlock> panel_blocks(int M, int full_rows, int half_rows)
   return out;
 }
 
-// k per int8 panel row: 1 where weights are widened to fp32, the ISA's group where an integer
-// dot product takes them (a pair for AVX-512's int16 one, four for AVX2's int8 one: the panel
-// holds w[f][g i] .. w[f][g i + g - 1] side by side, K padded to a multiple of g)
+// The integer dot products of this build (isa.h), by the bits activations are rounded to
 #ifdef VS_INT_DOT
-constexpr int64_t kI8PanelK = vs::kDotGroup;
+#ifdef VS_I16_DOT
+using Int8Dot = vs::U8Dot;
+using Int16Dot = vs::I16Dot;
 #else
-constexpr int64_t kI8PanelK = 1;
+using Int8Dot = vs::S8Dot;
 #endif
-inline int64_t i8_panel_k(int64_t K) { return (K + kI8PanelK - 1) / kI8PanelK * kI8PanelK; }
+#endif
 
-// w rows [row0, row0 + rows) as int8 panels, written to ``dst``
-void pack_panels_i8(const at::Tensor& w, int64_t row0, int64_t rows, int8_t* dst) {
-  const int64_t K = w.size(1), Kp = i8_panel_k(K), P = (rows + kPanel - 1) / kPanel;
+// The bits int8 panels round activations to on this machine: 16 where the AMX-INT8 tiles take
+// over from 5 rows (they read the panels' int16 activations and give their result bit for
+// bit), 8 with the other integer dot products, 0 (widened to fp32) without one
+int panel_activation_bits() {
+#if defined(VS_I16_DOT) && defined(VS_BF16_DOT)
+  static const int bits = amx::amx_int8_usable() ? 16 : 8;
+  return bits;
+#elif defined(VS_INT_DOT)
+  return 8;
+#else
+  return 0;
+#endif
+}
+
+// every value panel_activation_bits could take in this build (tests run them all)
+std::vector<int> supported_activation_bits() {
+#ifdef VS_I16_DOT
+  return {0, 8, 16};
+#elif defined(VS_INT_DOT)
+  return {0, 8};
+#else
+  return {0};
+#endif
+}
+
+// k per int8 panel group for activations of ``bits``: 1 where weights are widened to fp32
+int64_t panel_group(int bits) {
+#ifdef VS_INT_DOT
+  if (bits == 8) return Int8Dot::kGroup;
+#endif
+#ifdef VS_I16_DOT
+  if (bits == 16) return Int16Dot::kGroup;
+#endif
+  TORCH_CHECK(bits == 0, "int8 activations of ", bits, " bits: this build takes 0, 8 or 16");
+  return 1;
+}
+
+inline int64_t i8_panel_k(int64_t K, int64_t group) { return (K + group - 1) / group * group; }
+
+// w rows [row0, row0 + rows) as int8 panels of ``group`` k, written to ``dst``
+void pack_panels_i8(const at::Tensor& w, int64_t row0, int64_t rows, int64_t group, int8_t* dst) {
+  const int64_t K = w.size(1), Kp = i8_panel_k(K, group), P = (rows + kPanel - 1) / kPanel;
   const int8_t* src = w.data_ptr<int8_t>() + row0 * K;
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
@@ -381,10 +430,57 @@ void pack_panels_i8(const at::Tensor& w, int64_t row0, int64_t rows, int8_t* dst
       for (int64_t f = 0; f < kPanel && p * kPanel + f < rows; ++f) {
         const int8_t* row = src + (p * kPanel + f) * K;
         for (int64_t k = 0; k < K; ++k)
-          panel[(k / kI8PanelK * kPanel + f) * kI8PanelK + k % kI8PanelK] = row[k];
+          panel[(k / group * kPanel + f) * group + k % group] = row[k];
       }
     }
   });
+}
+
+// kI8ChunkK k per int8 panel pass and per activation scale (see panel_block_i8q)
+constexpr int64_t kI8ChunkK = 256;
+
+// The offset activations' share of the int8 panels' sums (Panels::offsets): for w rows [row0,
+// row0 + rows), int32 [P, chunks, 32] with ``zero`` times each row's sum over each kI8ChunkK k
+at::Tensor panel_offsets(const at::Tensor& w, int64_t row0, int64_t rows, int zero) {
+  const int64_t K = w.size(1), P = (rows + kPanel - 1) / kPanel;
+  const int64_t chunks = (K + kI8ChunkK - 1) / kI8ChunkK;
+  at::Tensor out = at::zeros({P, chunks, kPanel}, w.options().dtype(at::kInt));
+  int32_t* o = out.data_ptr<int32_t>();
+  const int8_t* src = w.data_ptr<int8_t>() + row0 * K;
+  at::parallel_for(0, rows, kPanel, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t c = 0; c < chunks; ++c) {
+        int32_t sum = 0;
+        for (int64_t k = c * kI8ChunkK; k < std::min(K, (c + 1) * kI8ChunkK); ++k)
+          sum += src[n * K + k];
+        o[(n / kPanel * chunks + c) * kPanel + n % kPanel] = zero * sum;
+      }
+  });
+  return out;
+}
+
+// bytes of the int8 panels of ``rows`` rows of K for activations of ``bits``
+int64_t int8_panel_bytes(int64_t rows, int64_t K, int bits) {
+  return (rows + kPanel - 1) / kPanel * i8_panel_k(K, panel_group(bits)) * kPanel;
+}
+
+// ``out`` = w rows [row0, row0 + rows) (int8 [N, K], ``scales`` [N]) as panels for activations
+// of ``bits``, packed into ``data`` (int8_panel_bytes of them)
+void pack_int8_panels(const at::Tensor& w, const at::Tensor& scales, int64_t row0, int64_t rows,
+                      int bits, const at::Tensor& data, Panels& out) {
+  const int64_t group = panel_group(bits);
+  TORCH_CHECK(data.nbytes() == static_cast<size_t>(int8_panel_bytes(rows, w.size(1), bits)));
+  pack_panels_i8(w, row0, rows, group, static_cast<int8_t*>(data.data_ptr()));
+  out.data = data;
+  out.scales = scales.narrow(0, row0, rows).contiguous();
+  out.int8 = true;
+  out.bits = bits;
+  out.group = group;
+  out.N = rows;
+  out.K = w.size(1);
+#ifdef VS_INT_DOT
+  if (bits == 8 && Int8Dot::kZero != 0) out.offsets = panel_offsets(w, row0, rows, Int8Dot::kZero);
+#endif
 }
 
 // acc[r][16 h .. 16 h + 15] += x[r] . w[f] over features of halves [h0, h0 + V) of an int8
@@ -429,35 +525,35 @@ __attribute__((noinline)) void panel_block_i8(const float* x, int64_t K, const i
 }
 
 #ifdef VS_INT_DOT
-// k per int8 panel pass (kPanelChunkBytes of a panel) and per activation scale: 256 k of int16 x
-// int8 products sum in int32 without overflow (256 * 32767 * 128 < 2^31), int8 x int8 ones
-// with room to spare
-constexpr int64_t kI8ChunkK = 8192 / kPanel;  // kPanelChunkBytes / kPanel (checked below)
-
-// panel_block_i8 with the ISA's integer dot product, over k groups [i0, i1) (one 256-k chunk
-// at most): activations are quantized (vs::act_t, row stride Kp) with one scale per row for
-// this chunk (scale[r * scale_stride]); the int32 sums leave the registers once, scaled, into
-// the fp32 ``acc_io``. At 8 rows the fp32 path's FMAs were the limit (int8 decode steps barely
-// faster than bf16 ones on a Zen 5, 1.33x on a Zen 3), at 1 row the widening. AVX-512 VNNI:
-// per 32 weights of a row a sign extension and one vpdpwssd; AVX2: see isa/avx2.h.
-template <int R, int V, int S>
-__attribute__((noinline)) void panel_block_i8q(const vs::act_t* xq, int64_t ld,
+// panel_block_i8 with an integer dot product D (isa.h), over k groups [i0, i1) (one 256-k
+// chunk at most: 256 k of int16 x int8 products sum in int32 without overflow, 256 * 32767 *
+// 128 < 2^31, int8 x int8 ones with room to spare): activations are quantized (D::act_t, row
+// stride ld_bytes) with one scale per row for this chunk (scale[r * scale_stride]); offset
+// activations' share (``offsets``: 32 features, this chunk) leaves the int32 sums, which then
+// leave the registers once, scaled, into the fp32 ``acc_io``. At 8 rows the fp32 path's FMAs
+// were the limit (int8 decode steps barely faster than bf16 ones on a Zen 5, 1.33x on a Zen 3),
+// at 1 row the widening.
+template <typename D, int R, int V, int S>
+__attribute__((noinline)) void panel_block_i8q(const uint8_t* xq, int64_t ld_bytes,
                                                const int8_t* panel, int h0, int64_t i0,
                                                int64_t i1, const float* scale,
-                                               int64_t scale_stride, bool first, bool prefetch,
+                                               int64_t scale_stride, const int32_t* offsets,
+                                               bool first, bool prefetch,
                                                float (*acc_io)[kPanel]) {
-  constexpr int64_t G = vs::kDotGroup;
+  constexpr int64_t G = D::kGroup;
+  using act_t = typename D::act_t;
   vs::vi acc[S][R][V];
   for (int s = 0; s < S; ++s)
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < V; ++v) acc[s][r][v] = vs::izero();
   auto step = [&](int s, int64_t i) {
     const int8_t* wp = panel + i * G * kPanel;
-    vs::vwq w[V];
-    for (int v = 0; v < V; ++v) w[v] = vs::load_i8_group(wp + 16 * G * (h0 + v));
+    typename D::vw w[V];
+    for (int v = 0; v < V; ++v) w[v] = D::load_group(wp + 16 * G * (h0 + v));
     for (int r = 0; r < R; ++r) {
-      const vs::vxq xb = vs::broadcast_act(xq + r * ld + G * vs::kActSpread * i);
-      for (int v = 0; v < V; ++v) acc[s][r][v] = vs::dot_act(acc[s][r][v], w[v], xb);
+      const act_t* x = reinterpret_cast<const act_t*>(xq + r * ld_bytes);
+      const typename D::vx xb = D::broadcast(x + G * D::kSpread * i);
+      for (int v = 0; v < V; ++v) acc[s][r][v] = D::dot(acc[s][r][v], w[v], xb);
     }
   };
   int64_t i = i0;
@@ -477,6 +573,12 @@ __attribute__((noinline)) void panel_block_i8q(const vs::act_t* xq, int64_t ld,
   for (int s = 1; s < S; ++s)
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < V; ++v) acc[0][r][v] = vs::iadd(acc[0][r][v], acc[s][r][v]);
+  if constexpr (D::kZero != 0) {
+    for (int v = 0; v < V; ++v) {
+      const vs::vi share = vs::iload(offsets + 16 * (h0 + v));
+      for (int r = 0; r < R; ++r) acc[0][r][v] = vs::isub(acc[0][r][v], share);
+    }
+  }
   for (int r = 0; r < R; ++r) {
     const vf sc = vs::set1(scale[r * scale_stride]);
     for (int v = 0; v < V; ++v) {
@@ -553,9 +655,7 @@ __attribute__((noinline)) void panel_block(const float* x, int64_t K, const uint
 // from memory by the first block and from L1 by the others (block by block over the whole
 // panel, the first block alone streamed the weights, faster than memory could deliver them)
 constexpr int64_t kPanelChunkBytes = 8192;
-#ifdef VS_INT_DOT
 static_assert(kI8ChunkK == kPanelChunkBytes / kPanel, "one activation scale per int8 panel pass");
-#endif
 
 // A panel kernel for R rows, V halves: a function pointer per (R, V), so that the blocks of a
 // call are planned once and the kernels keep their accumulators in registers
@@ -586,28 +686,47 @@ PanelKernel<int8_t> i8_kernel_for(int R, int V) {
 }
 
 #ifdef VS_INT_DOT
-using PanelKernelQ = void (*)(const vs::act_t*, int64_t, const int8_t*, int, int64_t, int64_t,
-                              const float*, int64_t, bool, bool, float (*)[kPanel]);
+using PanelKernelQ = void (*)(const uint8_t*, int64_t, const int8_t*, int, int64_t, int64_t,
+                              const float*, int64_t, const int32_t*, bool, bool,
+                              float (*)[kPanel]);
 
-// AVX-512: blocks of 1..4 rows and both halves of a panel, at 1-2 rows enough accumulator sets
-// for 8 independent vpdpwssd chains. AVX2: 1..4 rows of a half, or 1-2 rows of both halves;
-// one set (the chain through each accumulator is a 1-cycle add)
-static_assert(kFullRowsQ <= 4 && kHalfRowsQ == 4, "the kernels below cover 1-4 rows");
+// AVX-512: blocks of 1..8 rows and both halves of a panel, at 1-2 rows more accumulator sets
+// (int16: 4 at 1 row, for 8 independent vpdpwssd chains; unsigned int8: 2 -- the bench
+// decoder's GEMV at 1 row against int16's, Zen 4: 4 % slower with 2 sets, 6-7 % with 1, 16 %
+// with 4; from 2 rows the same or faster). AVX2: 1..4
+// rows of a half, or 1-2 rows of both halves; one set (the chain through each accumulator is a
+// 1-cycle add)
+static_assert(kFullRowsQ <= 4 && kFullRowsQ8 <= 8 && kHalfRowsQ == 4, "the kernels below");
+template <typename D>
 PanelKernelQ q_kernel_for(int R, int V) {
   if (kWideRegs || V == 2) {
     switch (R) {
-      case 1: return kWideRegs ? &panel_block_i8q<1, 2, 4> : &panel_block_i8q<1, 2, 1>;
-      case 2: return kWideRegs ? &panel_block_i8q<2, 2, 2> : &panel_block_i8q<2, 2, 1>;
-      case 3: return &panel_block_i8q<3, 2, 1>;
-      default: return &panel_block_i8q<4, 2, 1>;
+      case 1:
+        if (!kWideRegs) return &panel_block_i8q<D, 1, 2, 1>;
+        return D::kBits == 8 ? &panel_block_i8q<D, 1, 2, 2> : &panel_block_i8q<D, 1, 2, 4>;
+      case 2: return kWideRegs ? &panel_block_i8q<D, 2, 2, 2> : &panel_block_i8q<D, 2, 2, 1>;
+      case 3: return &panel_block_i8q<D, 3, 2, 1>;
+      case 4: return &panel_block_i8q<D, 4, 2, 1>;
+      case 5: return &panel_block_i8q<D, 5, 2, 1>;
+      case 6: return &panel_block_i8q<D, 6, 2, 1>;
+      case 7: return &panel_block_i8q<D, 7, 2, 1>;
+      default: return &panel_block_i8q<D, 8, 2, 1>;
     }
   }
   switch (R) {
-    case 1: return &panel_block_i8q<1, 1, 1>;
-    case 2: return &panel_block_i8q<2, 1, 1>;
-    case 3: return &panel_block_i8q<3, 1, 1>;
-    default: return &panel_block_i8q<4, 1, 1>;
+    case 1: return &panel_block_i8q<D, 1, 1, 1>;
+    case 2: return &panel_block_i8q<D, 2, 1, 1>;
+    case 3: return &panel_block_i8q<D, 3, 1, 1>;
+    default: return &panel_block_i8q<D, 4, 1, 1>;
   }
+}
+
+PanelKernelQ q_kernel_for_bits(int bits, int R, int V) {
+#ifdef VS_I16_DOT
+  if (bits == 16) return q_kernel_for<Int16Dot>(R, V);
+#endif
+  TORCH_CHECK(bits == 8, "no integer dot product for ", bits, "-bit activations");
+  return q_kernel_for<Int8Dot>(R, V);
 }
 #endif
 
@@ -628,24 +747,23 @@ PanelKernel<uint16_t> bf16_kernel(int R) {
 #endif
 
 // A step's activation rows as the panel kernels read them: widened to fp32, or, for int8
-// panels in builds with an integer dot product, rounded to vs::act_t with one fp32 scale per
-// row and kI8ChunkK k (that stretch's largest |x| / vs::kActMax). int16 (AVX-512 VNNI) keeps 15
-// bits against the stretch's largest, where bf16 itself keeps 8 against the value: the int8
-// weights' own rounding (1/254 of a channel's largest) stays what separates int8 from bf16
-// output. int8 (AVX2) keeps 7 bits and a sign against the stretch's largest (outliers split
-// off, see quantize_rows), as coarse as the weights: the price of products that cost half the
-// fp32 path's (isa/avx2.h); its greedy agreement and logit error against bf16 are measured by
-// benchmarks/int8.py and bounded by tests/engine/test_int8.py.
+// panels in builds with an integer dot product D, rounded to D::act_t with one fp32 scale per
+// row and kI8ChunkK k (that stretch's largest |x| / D::kMax). int16 (AVX-512 VNNI on AMX
+// CPUs) keeps 15 bits against the stretch's largest, where bf16 itself keeps 8 against the
+// value: the int8 weights' own rounding (1/254 of a channel's largest) stays what separates
+// int8 from bf16 output. int8 (AVX2, AVX-512 VNNI elsewhere) keeps 7 bits and a sign against
+// the stretch's largest (outliers split off, see quantize_rows), as coarse as the weights: the
+// price of products that cost half the wider paths' (isa/); its greedy agreement and logit
+// error against bf16 are measured by benchmarks/int8.py and bounded by tests/engine/test_int8.py.
 struct PanelInput {
   int M = 0;
   int64_t K = 0;
   std::vector<float> xf;  // [M, K]: fp32 kernels
-#ifdef VS_INT_DOT
-  // [M, ld]: integer dot product, K padded to Kp (a multiple of the group, zeros) in the
-  // ISA's activation layout (ld = Kp * vs::kActSpread)
-  std::vector<vs::act_t> xq;
-#endif
-  int64_t ld = 0;
+  // [M, ld_bytes]: integer dot product, K padded to Kp (a multiple of the group, x = 0) in its
+  // activation layout (Kp * D::kSpread values of D::act_t a row)
+  std::vector<uint8_t> xq;
+  int64_t ld_bytes = 0;
+  int bits = 0;  // the integer dot product's (Panels::bits), 0 for fp32
   std::vector<float> xs;  // [M, chunks]: the scale of each row's stretch of kI8ChunkK k
   int64_t Kp = 0, chunks = 0;
   // int8 activations: values split off their stretch's rounding (see quantize_rows), row by
@@ -656,13 +774,7 @@ struct PanelInput {
   };
   std::vector<Outlier> outliers;
   std::vector<size_t> outlier_start;
-  bool quantized() const {
-#ifdef VS_INT_DOT
-    return !xq.empty();
-#else
-    return false;
-#endif
-  }
+  bool quantized() const { return bits != 0; }
 };
 
 std::vector<float> widen_rows(int M, const bf16* x, int64_t K) {
@@ -683,17 +795,25 @@ std::vector<float> widen_rows(int M, const bf16* x, int64_t K) {
 // stretch never has one (6 sigma: ~2e-9 a value). Several outliers lift the stretch's root
 // mean square with them, so the limit is narrowed to that of the values within it, a few
 // passes at most. int16 activations need none.
-constexpr bool kSplitOutliers = sizeof(vs::act_t) == 1;
 constexpr float kOutlierRms = 6.f;
 
-// Fills in.xq / in.xs / in.outliers (see PanelInput) for M rows of x [M, K]
+// Fills in.xq / in.xs / in.outliers (see PanelInput) for M rows of x [M, K], for D
+template <typename D>
 void quantize_rows(int M, const bf16* x, int64_t K, PanelInput& in) {
+  constexpr bool kSplitOutliers = D::kBits == 8;
+  using act_t = typename D::act_t;
   in.M = M;
   in.K = K;
-  in.Kp = i8_panel_k(K);
+  in.bits = D::kBits;
+  in.Kp = i8_panel_k(K, D::kGroup);
   in.chunks = (K + kI8ChunkK - 1) / kI8ChunkK;
-  in.ld = in.Kp * vs::kActSpread;
-  in.xq.assign(static_cast<size_t>(M) * in.ld, 0);
+  const int64_t ld = in.Kp * D::kSpread;  // in act_t
+  in.ld_bytes = ld * sizeof(act_t);
+  in.xq.resize(static_cast<size_t>(M) * in.ld_bytes);
+  {
+    act_t* all = reinterpret_cast<act_t*>(in.xq.data());
+    std::fill(all, all + M * ld, static_cast<act_t>(D::kZero));
+  }
   in.xs.resize(static_cast<size_t>(M) * in.chunks);
   in.outliers.clear();
   in.outlier_start.assign(M + 1, 0);
@@ -743,13 +863,12 @@ void quantize_rows(int M, const bf16* x, int64_t K, PanelInput& in) {
         }
       }
       const bool nonzero = a > 0.f;  // NaN compares false: zeros, then a NaN scale
-      in.xs[m * in.chunks + c] = nonzero ? a / vs::kActMax : (a == 0.f ? 0.f : a);
-      const vf inv = vs::set1(nonzero ? vs::kActMax / a : 0.f);
-      vs::act_t* q = in.xq.data() + m * in.ld;
+      in.xs[m * in.chunks + c] = nonzero ? a / D::kMax : (a == 0.f ? 0.f : a);
+      const vf inv = vs::set1(nonzero ? D::kMax / a : 0.f);
+      act_t* q = reinterpret_cast<act_t*>(in.xq.data() + m * in.ld_bytes);
       for (int64_t k = k0; k < k1; k += 16)
-        vs::store_act(q + k * vs::kActSpread, vs::mul(vs::load_bf16(row + k, k1 - k), inv),
-                      k1 - k);
-      for (size_t o = split_from; o < in.outliers.size(); ++o) vs::clear_act(q, in.outliers[o].k);
+        D::store(q + k * D::kSpread, vs::mul(vs::load_bf16(row + k, k1 - k), inv), k1 - k);
+      for (size_t o = split_from; o < in.outliers.size(); ++o) D::clear(q, in.outliers[o].k);
     }
   }
   in.outlier_start[M] = in.outliers.size();
@@ -761,8 +880,14 @@ PanelInput panel_input(int M, const bf16* x, const Panels& w) {
   in.M = M;
   in.K = w.K;
 #ifdef VS_INT_DOT
-  if (w.int8) {
-    quantize_rows(M, x, w.K, in);
+  if (w.int8 && w.bits == 8) {
+    quantize_rows<Int8Dot>(M, x, w.K, in);
+    return in;
+  }
+#endif
+#ifdef VS_I16_DOT
+  if (w.int8 && w.bits == 16) {
+    quantize_rows<Int16Dot>(M, x, w.K, in);
     return in;
   }
 #endif
@@ -782,7 +907,7 @@ void panel_rows(const PanelInput& in, const Panels& w, int64_t p0, int64_t p1, f
   float(*rows_acc)[kPanel] = reinterpret_cast<float(*)[kPanel]>(sums.data());
   const std::vector<PanelBlock> blocks =
       !w.int8 ? panel_blocks(M, kFullRowsBf16, kHalfRowsBf16)
-      : qdot  ? panel_blocks(M, kFullRowsQ, kHalfRowsQ)
+      : qdot  ? panel_blocks(M, in.bits == 8 ? kFullRowsQ8 : kFullRowsQ, kHalfRowsQ)
               : panel_blocks(M, kFullRowsI8, kHalfRowsI8);
   struct Planned {
     PanelBlock b;
@@ -798,7 +923,7 @@ void panel_rows(const PanelInput& in, const Panels& w, int64_t p0, int64_t p1, f
     p.b = b;
     if (w.int8) {
 #ifdef VS_INT_DOT
-      if (qdot) p.i8q = q_kernel_for(b.rows, b.V);
+      if (qdot) p.i8q = q_kernel_for_bits(in.bits, b.rows, b.V);
 #endif
       if (!qdot) p.i8 = i8_kernel_for(b.rows, b.V);
     } else {
@@ -812,11 +937,14 @@ void panel_rows(const PanelInput& in, const Panels& w, int64_t p0, int64_t p1, f
   }
   // per pass: k (int8, 32 bytes each), k groups (int8 for an integer dot product, 32 bytes a
   // k; bf16 pairs, 128 bytes each)
-  const int64_t steps = qdot ? in.Kp / kI8PanelK : w.int8 ? K : K / 2;
+  TORCH_CHECK(in.bits == w.bits && (!qdot || w.group == panel_group(in.bits)),
+              "activations rounded for other panels");
+  const int64_t steps = qdot ? in.Kp / w.group : w.int8 ? K : K / 2;
   const int64_t chunk =
-      kPanelChunkBytes / (qdot ? kI8PanelK * kPanel : w.int8 ? kPanel : 4 * kPanel);
-  const int64_t panel_k = w.int8 ? i8_panel_k(K) : K;
+      kPanelChunkBytes / (qdot ? w.group * kPanel : w.int8 ? kPanel : 4 * kPanel);
+  const int64_t panel_k = w.int8 ? i8_panel_k(K, w.group) : K;
   const float* scales = w.int8 ? w.scales.data_ptr<float>() : nullptr;
+  const int32_t* offsets = w.offsets.defined() ? w.offsets.data_ptr<int32_t>() : nullptr;
   for (int64_t p = p0; p < p1; ++p) {
     for (int64_t i0 = 0; i0 < steps; i0 += chunk) {
       const int64_t i1 = std::min(steps, i0 + chunk);
@@ -827,8 +955,10 @@ void panel_rows(const PanelInput& in, const Panels& w, int64_t p0, int64_t p1, f
           const int8_t* panel = static_cast<const int8_t*>(w.data.data_ptr()) + p * panel_k * kPanel;
 #ifdef VS_INT_DOT
           if (qdot) {
-            plan[j].i8q(in.xq.data() + b.m0 * in.ld, in.ld, panel, b.h0, i0, i1,
-                        in.xs.data() + b.m0 * in.chunks + i0 / chunk, in.chunks, first,
+            const int32_t* share =
+                offsets ? offsets + (p * in.chunks + i0 / chunk) * kPanel : nullptr;
+            plan[j].i8q(in.xq.data() + b.m0 * in.ld_bytes, in.ld_bytes, panel, b.h0, i0, i1,
+                        in.xs.data() + b.m0 * in.chunks + i0 / chunk, in.chunks, share, first,
                         prefetch, rows_acc + b.m0);
             continue;
           }
@@ -846,7 +976,7 @@ void panel_rows(const PanelInput& in, const Panels& w, int64_t p0, int64_t p1, f
     const int64_t features = std::min<int64_t>(kPanel, w.N - p * kPanel);
     if (qdot && !in.outliers.empty()) {  // the values quantize_rows split off, in fp32
       const int8_t* panel = static_cast<const int8_t*>(w.data.data_ptr()) + p * panel_k * kPanel;
-      constexpr int64_t G = kI8PanelK;
+      const int64_t G = w.group;
       for (int m = 0; m < M; ++m)
         for (size_t o = in.outlier_start[m]; o < in.outlier_start[m + 1]; ++o) {
           const auto [k, value] = in.outliers[o];
@@ -995,12 +1125,14 @@ TileInput tile_input(int M, const bf16* x, const TiledWeights& w) {
     return in;
   }
   PanelInput q;
-  quantize_rows(M, x, w.K, q);  // int16: this build has VS_I16_DOT
+  quantize_rows<Int16Dot>(M, x, w.K, q);  // the panels' own on AMX CPUs (panel_activation_bits)
   static_assert(kI8ChunkK == amx::kTileKI8 * amx::kChunkBlocksI8, "one scale per 256 k");
   in.hi.resize(static_cast<size_t>(M) * w.K);
   in.lo.resize(static_cast<size_t>(M) * w.K);
-  static_assert(vs::kActSpread == 1, "the tiles read the int16 activations as they are");
-  amx::pack_activations_i8(M, q.xq.data(), q.ld, w.K, in.hi.data(), in.lo.data());
+  static_assert(Int16Dot::kSpread == 1, "the tiles read the int16 activations as they are");
+  amx::pack_activations_i8(M, reinterpret_cast<const int16_t*>(q.xq.data()),
+                           q.ld_bytes / static_cast<int64_t>(sizeof(int16_t)), w.K, in.hi.data(),
+                           in.lo.data());
   std::vector<float> scale(static_cast<size_t>(M) * q.chunks);
   for (int m = 0; m < M; ++m)
     for (int64_t c = 0; c < q.chunks; ++c) scale[c * M + m] = q.xs[m * q.chunks + c];
@@ -1766,9 +1898,10 @@ class FusedDecoder {
       specs.push_back({&L.down_n, &L.down_w, &L.down_s, 0, L.down_w.size(0)});
     }
     specs.push_back({&lm_head_n_, &lm_head_, &lm_head_s_, 0, lm_head_.size(0)});
-    auto bytes = [](const Spec& s) -> size_t {  // 64-byte multiples: every panel stays aligned
+    const int bits = panel_activation_bits();
+    auto bytes = [bits](const Spec& s) -> size_t {  // 64-byte multiples: every panel stays aligned
       const int64_t P = (s.rows + kPanel - 1) / kPanel, K = s.w->size(1);
-      if (s.w->scalar_type() == at::kChar) return P * i8_panel_k(K) * kPanel;
+      if (s.w->scalar_type() == at::kChar) return int8_panel_bytes(s.rows, K, bits);
 #ifdef VS_BF16_DOT
       return 0;  // bf16 matrices: the dot product reads their rows as they are
 #else
@@ -1782,11 +1915,9 @@ class FusedDecoder {
     for (const Spec& s : specs) {
       const int64_t K = s.w->size(1), P = (s.rows + kPanel - 1) / kPanel;
       if (s.w->scalar_type() == at::kChar) {
-        pack_panels_i8(*s.w, s.row0, s.rows, reinterpret_cast<int8_t*>(dst));
-        s.out->data = at::from_blob(dst, {P, i8_panel_k(K), kPanel}, [arena](void*) {},
-                                    s.w->options());
-        s.out->scales = s.scales->narrow(0, s.row0, s.rows).contiguous();
-        s.out->int8 = true;
+        const at::Tensor data = at::from_blob(dst, {static_cast<int64_t>(bytes(s))},
+                                              [arena](void*) {}, s.w->options());
+        pack_int8_panels(*s.w, *s.scales, s.row0, s.rows, bits, data, *s.out);
       } else {
 #ifdef VS_BF16_DOT
         continue;
@@ -1800,6 +1931,18 @@ class FusedDecoder {
       s.out->K = K;
       dst += bytes(s);
     }
+    // the offset activations' shares (Panels::offsets), read beside the panels: on huge pages
+    // too
+    std::vector<Panels*> with_offsets;
+    std::vector<at::Tensor> offsets;
+    for (const Spec& s : specs)
+      if (s.out->offsets.defined()) {
+        with_offsets.push_back(s.out);
+        offsets.push_back(s.out->offsets);
+      }
+    if (offsets.empty()) return;
+    offsets = copy_to_huge_pages(offsets);
+    for (size_t i = 0; i < offsets.size(); ++i) with_offsets[i]->offsets = offsets[i];
   }
 
   // int8 matrices always run their panels; bf16 ones from kPanelRows rows where built
@@ -2037,7 +2180,8 @@ at::Tensor panel_matmul(const at::Tensor& x, const at::Tensor& w) {
 // tests (the kernel against x @ (q * s).T) and the GEMV benchmark, which must not time packing.
 class PanelGemv {
  public:
-  PanelGemv(const at::Tensor& w_in, std::optional<at::Tensor> scales) {
+  PanelGemv(const at::Tensor& w_in, std::optional<at::Tensor> scales,
+            std::optional<int> activation_bits) {
     const at::Tensor w = w_in.contiguous();
     TORCH_CHECK(w.dim() == 2, "w: [N, K]");
     const int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel;
@@ -2045,12 +2189,17 @@ class PanelGemv {
     panels_.K = K;
     if (w.scalar_type() == at::kChar) {
       TORCH_CHECK(scales.has_value(), "int8 weights need their scales");
-      panels_.scales = scales->to(at::kFloat).contiguous();
-      check_matrix(w, panels_.scales, "w");
-      panels_.data = at::empty({P, i8_panel_k(K), kPanel}, w.options());
-      panels_.int8 = true;
-      pack_panels_i8(w, 0, N, panels_.data.data_ptr<int8_t>());
+      const at::Tensor s = scales->to(at::kFloat).contiguous();
+      check_matrix(w, s, "w");
+      const int bits = activation_bits.value_or(panel_activation_bits());
+      const std::vector<int> known = supported_activation_bits();
+      TORCH_CHECK(std::find(known.begin(), known.end(), bits) != known.end(),
+                  "activation_bits ", bits,
+                  ": not one this build rounds activations to (int8_activation_bits_supported)");
+      pack_int8_panels(w, s, 0, N, bits, at::empty({int8_panel_bytes(N, K, bits)}, w.options()),
+                       panels_);
     } else {
+      TORCH_CHECK(!activation_bits.has_value(), "activation_bits: int8 weights only");
 #ifdef VS_BF16_DOT
       TORCH_CHECK(false, "bf16 panels are the emulated builds' GEMV; this build has the bf16 dot product");
 #else
@@ -2167,13 +2316,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("bf16_dot") = false;
 #endif
-  // the bits int8 panels round activations to (one scale per row and 256 k: panel_input): 16
-  // (AVX-512 VNNI), 8 (AVX2), 0 where they are widened to fp32
-#ifdef VS_INT_DOT
-  m.attr("int8_activation_bits") = static_cast<int>(8 * sizeof(vs::act_t));
-#else
-  m.attr("int8_activation_bits") = 0;
-#endif
+  // the bits int8 panels round activations to on this machine (one scale per row and 256 k:
+  // panel_input): 16 (AVX-512 VNNI with AMX-INT8), 8 (AVX2, AVX-512 VNNI elsewhere), 0 where
+  // they are widened to fp32; and every value PanelGemv(activation_bits=) takes in this build
+  m.attr("int8_activation_bits") = panel_activation_bits();
+  m.attr("int8_activation_bits_supported") = supported_activation_bits();
   pybind11::class_<FusedDecoder>(m, "FusedDecoder")
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor,
                           std::optional<at::Tensor>, int64_t, int64_t, int64_t, double, int64_t,
@@ -2198,8 +2345,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("kept_contexts", &FusedDecoder::kept_contexts)
       .def("forget_context", &FusedDecoder::forget_context);
   pybind11::class_<PanelGemv>(m, "PanelGemv")
-      .def(pybind11::init<const at::Tensor&, std::optional<at::Tensor>>(), pybind11::arg("w"),
-           pybind11::arg("scales") = pybind11::none())
+      .def(pybind11::init<const at::Tensor&, std::optional<at::Tensor>, std::optional<int>>(),
+           pybind11::arg("w"), pybind11::arg("scales") = pybind11::none(),
+           pybind11::arg("activation_bits") = pybind11::none())
       .def("forward", &PanelGemv::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
   pybind11::class_<TileGemv>(m, "TileGemv")
       .def(pybind11::init<const at::Tensor&, std::optional<at::Tensor>>(), pybind11::arg("w"),

@@ -12,10 +12,13 @@
 // rounding (to_bf16, round_bf16); int8 widening to fp32 (load_i8, 16 bytes with a tail count);
 // vpair (32 bf16 as 16 pairs) with load_pairs and widen_pairs (widen_even/widen_odd: one
 // half, from memory). Optionally VS_BF16_DOT with
-// dot_pairs/broadcast_pair, and VS_INT_DOT: the integer dot product the int8 panels take
-// (kDotGroup k of a feature side by side, activations of act_t up to kActMax: int16 pairs with
-// AVX512-VNNI, int8 quads with AVX2's vpmaddubsw; load_i8_group, broadcast_act, dot_act,
-// store_act, clear_act). Below, what is written once against that vocabulary (exp, exp2).
+// dot_pairs/broadcast_pair, and VS_INT_DOT: the integer dot products the int8 panels take, as
+// structs (AVX2: S8Dot, int8 quads through vpmaddubsw; AVX512-VNNI: I16Dot, int16 pairs through
+// vpdpwssd, and U8Dot, int8 quads offset to unsigned through vpdpbusd), each with kBits, kGroup
+// (k of a feature side by side in the panel), act_t, kMax, kZero (the stored value of x = 0),
+// kSpread (act_t per k), vw/vx and load_group, broadcast, dot, store, clear; beside them the
+// int32 vector vi (izero, iadd, isub, iload, to_float). Below, what is written once against
+// that vocabulary (exp, exp2).
 // A NEON traits file would hold vf in four float32x4_t and widen bf16 with vshll and int8
 // with vmovl + vcvtq; nothing else here would change.
 #pragma once

@@ -96,7 +96,7 @@ def test_logits_and_greedy_tokens_track_the_unquantized_model(pair) -> None:
     bound, min_agreement = (0.03, 0.8) if fp32_acts else (0.04, 0.55)
     kernels = load_cpu_decode()
     if not fp32_acts and kernels is not None and kernels.int8_activation_bits == 8:
-        bound = 0.06  # AVX2 rounds the activations to int8 too: 5.0 % at worst, measured
+        bound = 0.06  # activations rounded to int8 too: at worst 5.0 % (Zen 3), 4.0 % (Zen 4)
     agree = total = 0
     for conv in PROMPTS:
         # tokens and logits from the same run: a second run of a prompt hits the prefix cache
@@ -125,26 +125,47 @@ needs_decode_kernel = pytest.mark.skipif(
 )
 
 
+def _activation_bits() -> list[int]:
+    """Every activation precision this build's int8 panels can take (PanelGemv's
+    activation_bits): 0 (widened to fp32) everywhere, 8 with an integer dot product, 16 with
+    AVX512-VNNI; the machine's own is one of them."""
+    kernels = load_cpu_decode()
+    return list(kernels.int8_activation_bits_supported) if kernels is not None else [0]
+
+
 @needs_decode_kernel
+def test_int8_panels_refuse_a_precision_this_build_lacks() -> None:
+    kernels = load_cpu_decode()
+    assert kernels.int8_activation_bits in _activation_bits()
+    q, scales = quantize_int8(torch.randn(32, 64))
+    with pytest.raises(RuntimeError, match="activation_bits 4"):
+        kernels.PanelGemv(q, scales, activation_bits=4)
+    if 16 not in _activation_bits():
+        with pytest.raises(RuntimeError, match="activation_bits 16"):
+            kernels.PanelGemv(q, scales, activation_bits=16)
+
+
+@needs_decode_kernel
+@pytest.mark.parametrize("bits", _activation_bits())
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16])
 @pytest.mark.parametrize(("n", "k"), [(32, 64), (45, 130), (97, 301), (40, 700)])
-def test_int8_panels_compute_with_the_dequantized_weight(rows, n, k) -> None:
+def test_int8_panels_compute_with_the_dequantized_weight(bits, rows, n, k) -> None:
     """The fused step's int8 GEMV (panels, any row count): a last panel short of 32 features,
     odd K, K past one 256-k chunk, every row-block shape (1-2 rows both panel halves, more in
-    half blocks on AVX2). Where activations are widened to fp32 only the summation order
-    differs from x @ (q * s).T; where the build rounds them to int16 (AVX-512 VNNI) or int8
-    (AVX2), one scale per row and 256 k, each output moves by at most half a step of that
-    rounding per term, no more."""
+    half blocks on AVX2, 8-row blocks for VNNI's int8), each activation precision the build
+    has. Where activations are widened to fp32 only the summation order differs from
+    x @ (q * s).T; where they are rounded to int16 or int8, one scale per row and 256 k, each
+    output moves by at most half a step of that rounding per term, no more (VNNI's int8 goes
+    in offset to unsigned: the offset's share comes back out exactly)."""
     kernels = load_cpu_decode()
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=gen).bfloat16()
     q, scales = quantize_int8(torch.randn(n, k, generator=gen))
-    got = kernels.PanelGemv(q, scales).forward(x)
+    got = kernels.PanelGemv(q, scales, activation_bits=bits).forward(x)
     w = q.float() * scales[:, None]
     want = x.float() @ w.T
     assert got.dtype == torch.float32 and got.shape == (rows, n)
     atol = 2e-6 * k
-    bits = kernels.int8_activation_bits
     if bits:
         stretch_max = torch.cat(
             [c.abs().amax(dim=1, keepdim=True).expand_as(c) for c in x.float().split(256, dim=1)],
@@ -163,10 +184,11 @@ def test_int8_panels_compute_with_the_dequantized_weight(rows, n, k) -> None:
 
 
 @needs_decode_kernel
+@pytest.mark.parametrize("bits", _activation_bits())
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_int8_panels_keep_massive_activations_out_of_the_rounding(rows) -> None:
+def test_int8_panels_keep_massive_activations_out_of_the_rounding(bits, rows) -> None:
     """LLM residual streams carry a few dimensions hundreds of times the rest (massive
-    activations); with int8 activations (AVX2) one of them would set the rounding step of the
+    activations); with int8 activations one of them would set the rounding step of the
     255 other values of its 256-k stretch. Values past 6x the stretch's root mean square are
     added in fp32 instead: every output stays within the rounding bound of the stretch's
     other values -- 1, 2 and 3 outliers in a stretch, at either sign, one at the last k, 3
@@ -181,10 +203,9 @@ def test_int8_panels_keep_massive_activations_out_of_the_rounding(rows) -> None:
     x[:, k - 1] = 500.0  # ... and three in the last (a short one: 88 k)
     x = x.bfloat16()
     q, scales = quantize_int8(torch.randn(n, k, generator=gen))
-    got = kernels.PanelGemv(q, scales).forward(x)
+    got = kernels.PanelGemv(q, scales, activation_bits=bits).forward(x)
     w = q.float() * scales[:, None]
     want = x.float() @ w.T
-    bits = kernels.int8_activation_bits
     if not bits:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6 * k)
         return
@@ -226,7 +247,7 @@ def test_int8_tiles_give_the_panels_result_bit_for_bit(rows, n, k) -> None:
     x[0, 7] = -301.0  # the stretch's largest |x| negative: -32767 after rounding
     if rows > 2:
         x[1] = 0  # a zero row: scale 0
-    want = kernels.PanelGemv(q, scales).forward(x)
+    want = kernels.PanelGemv(q, scales, activation_bits=16).forward(x)
     got = kernels.TileGemv(q, scales).forward(x)
     assert got.shape == (rows, n) and got.dtype == torch.float32
     assert torch.equal(got, want)
@@ -265,9 +286,10 @@ def test_fused_int8_step_logits_match_the_eager_int8_path(bf16_int8) -> None:
     (Int8Linear's GEMV, per-op norms, SDPA) compute the same products with the same
     roundings, so the logits differ by fp32 summation order and the bf16 roundings it flips:
     measured at most 1.2 % of the largest logit (mean 0.25 %), the same as bf16 weights'
-    fused-against-eager difference (1.9 %, 0.3 %; their test allows 6 %). On AVX2 the fused
-    step also rounds the activations to int8 (one scale per row and 256 k): there the
-    difference is that rounding's, bounded at 5 % / 1 % (measured: 2.7 % / 0.56 % at worst)."""
+    fused-against-eager difference (1.9 %, 0.3 %; their test allows 6 %). Where the fused
+    step also rounds the activations to int8 (AVX2, AVX-512 VNNI without AMX; one scale per
+    row and 256 k) the difference is that rounding's, bounded at 5 % / 1 % (measured at
+    worst: 2.7 % / 0.56 % on a Zen 3, 2.9 % / 0.56 % on a Zen 4)."""
     from tests.engine.test_cpu_decode_kernel import _LogitsPairs
 
     int8_acts = load_cpu_decode().int8_activation_bits == 8
@@ -306,8 +328,8 @@ def assert_same_up_to_near_ties(want, got: list[list[int]], margin: float = 0.25
 
 @needs_decode_kernel
 def test_fused_int8_greedy_tokens_equal_the_eager_int8_path(bf16_int8) -> None:
-    """Same tokens but for near-ties: the fused step rounds activations to int16 (one scale
-    per 256 k) where the eager GEMV widens them, and prompt chunks past 16 rows run bf16
+    """Same tokens but for near-ties: the fused step rounds activations to int16 or int8 (one
+    scale per 256 k) where the eager GEMV widens them, and prompt chunks past 16 rows run bf16
     products in both."""
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     runner = bf16_int8.engine.runner

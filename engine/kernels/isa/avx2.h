@@ -222,59 +222,69 @@ inline vf hsum16(const vf* v) {
 // feature) -- 16 us there, 1.15-1.19x streamed from memory, but a bench decode step at 8 rows
 // only 1.58-1.59x bf16's against 1.51-1.56x, for a mean logit error of 5.0 % against 3.6 %.
 #define VS_INT_DOT 1
-constexpr int64_t kDotGroup = 4;  // k per int8 group of a feature in the panel
-using act_t = int8_t;
-constexpr float kActMax = 127.f;
 struct vi {  // 16 int32 lanes
   __m256i lo, hi;
 };
-struct vwq {  // 16 features x 4 k of int8, feature by feature
-  __m256i lo, hi;
-};
-struct vxq {  // one activation quad in every 32-bit lane: as signed, and its magnitude
-  __m256i s, a;
-};
-// activations are laid out group by group as the 4 signed values, then their 4 magnitudes:
-// taking |x| in registers instead, per row and quad, cost ~4 % of the block's time at 8 rows
-constexpr int64_t kActSpread = 2;  // activation elements per k
 inline vi izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 inline vi iadd(vi a, vi b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
-inline vwq load_i8_group(const int8_t* p) {
+inline vi isub(vi a, vi b) { return {_mm256_sub_epi32(a.lo, b.lo), _mm256_sub_epi32(a.hi, b.hi)}; }
+inline vi iload(const int32_t* p) {
   const __m256i* q = reinterpret_cast<const __m256i*>(p);
   return {_mm256_loadu_si256(q), _mm256_loadu_si256(q + 1)};
 }
-inline vxq broadcast_act(const int8_t* p) {
-  int32_t quad, magnitude;
-  std::memcpy(&quad, p, sizeof(quad));
-  std::memcpy(&magnitude, p + 4, sizeof(magnitude));
-  return {_mm256_set1_epi32(quad), _mm256_set1_epi32(magnitude)};
-}
-inline __m256i dot_quads(__m256i acc, __m256i w, vxq x) {
-  const __m256i pairs = _mm256_maddubs_epi16(x.a, _mm256_sign_epi8(w, x.s));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-inline vi dot_act(vi acc, vwq w, vxq x) { return {dot_quads(acc.lo, w.lo, x), dot_quads(acc.hi, w.hi, x)}; }
 inline vf to_float(vi v) { return {_mm256_cvtepi32_ps(v.lo), _mm256_cvtepi32_ps(v.hi)}; }
-// activation k of a row in the layout above set to zero (its value and its magnitude)
-inline void clear_act(int8_t* row, int64_t k) {
-  row[k / 4 * 8 + k % 4] = 0;
-  row[k / 4 * 8 + 4 + k % 4] = 0;
-}
-// round(x) clamped to [-127, 127] (inputs within it but for rounding) for 16 k from a group
-// boundary, written in the activation layout above (32 bytes at p); lanes past n must be zero
-// (they are stored, as zeros, up to the end of their group)
-inline void store_act(int8_t* p, vf x, int64_t n) {
-  const __m256i lo = _mm256_cvtps_epi32(x.lo), hi = _mm256_cvtps_epi32(x.hi);
-  // packs interleave 128-bit halves: [lo0-3, hi0-3, lo4-7, hi4-7] -> words, then bytes
-  const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
-  __m128i b = _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
-  b = _mm_max_epi8(b, _mm_set1_epi8(-127));
-  const __m128i a = _mm_abs_epi8(b);
-  const __m256i out = _mm256_set_m128i(_mm_unpackhi_epi32(b, a), _mm_unpacklo_epi32(b, a));
-  if (n >= 16) return _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), out);
-  alignas(32) int8_t buf[32];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(buf), out);
-  if (n > 0) std::memcpy(p, buf, (n + 3) / 4 * 8);
-}
+
+struct S8Dot {
+  static constexpr int kBits = 8;
+  static constexpr int64_t kGroup = 4;  // k per int8 group of a feature in the panel
+  using act_t = int8_t;
+  static constexpr float kMax = 127.f;
+  static constexpr int kZero = 0;  // the stored value of x = 0
+  struct vw {  // 16 features x 4 k of int8, feature by feature
+    __m256i lo, hi;
+  };
+  struct vx {  // one activation quad in every 32-bit lane: as signed, and its magnitude
+    __m256i s, a;
+  };
+  // activations are laid out group by group as the 4 signed values, then their 4 magnitudes:
+  // taking |x| in registers instead, per row and quad, cost ~4 % of the block's time at 8 rows
+  static constexpr int64_t kSpread = 2;  // activation elements per k
+  static vw load_group(const int8_t* p) {
+    const __m256i* q = reinterpret_cast<const __m256i*>(p);
+    return {_mm256_loadu_si256(q), _mm256_loadu_si256(q + 1)};
+  }
+  static vx broadcast(const int8_t* p) {
+    int32_t quad, magnitude;
+    std::memcpy(&quad, p, sizeof(quad));
+    std::memcpy(&magnitude, p + 4, sizeof(magnitude));
+    return {_mm256_set1_epi32(quad), _mm256_set1_epi32(magnitude)};
+  }
+  static __m256i dot_quads(__m256i acc, __m256i w, vx x) {
+    const __m256i pairs = _mm256_maddubs_epi16(x.a, _mm256_sign_epi8(w, x.s));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
+  static vi dot(vi acc, vw w, vx x) { return {dot_quads(acc.lo, w.lo, x), dot_quads(acc.hi, w.hi, x)}; }
+  // activation k of a row in the layout above set to zero (its value and its magnitude)
+  static void clear(int8_t* row, int64_t k) {
+    row[k / 4 * 8 + k % 4] = 0;
+    row[k / 4 * 8 + 4 + k % 4] = 0;
+  }
+  // round(x) clamped to [-127, 127] (inputs within it but for rounding) for 16 k from a group
+  // boundary, written in the activation layout above (32 bytes at p); lanes past n must be
+  // zero (they are stored, as zeros, up to the end of their group)
+  static void store(int8_t* p, vf x, int64_t n) {
+    const __m256i lo = _mm256_cvtps_epi32(x.lo), hi = _mm256_cvtps_epi32(x.hi);
+    // packs interleave 128-bit halves: [lo0-3, hi0-3, lo4-7, hi4-7] -> words, then bytes
+    const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
+    __m128i b = _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+    b = _mm_max_epi8(b, _mm_set1_epi8(-127));
+    const __m128i a = _mm_abs_epi8(b);
+    const __m256i out = _mm256_set_m128i(_mm_unpackhi_epi32(b, a), _mm_unpacklo_epi32(b, a));
+    if (n >= 16) return _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), out);
+    alignas(32) int8_t buf[32];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(buf), out);
+    if (n > 0) std::memcpy(p, buf, (n + 3) / 4 * 8);
+  }
+};
 
 }  // namespace vs

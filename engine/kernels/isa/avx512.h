@@ -134,42 +134,82 @@ inline vpair vf_as_pairs(vf v) { return _mm512_castps_si512(v); }
 #endif
 
 #ifdef __AVX512VNNI__
-// The int16 pair dot product (vpdpwssd): acc[i] += a[2i] * b[2i] + a[2i+1] * b[2i+1] in int32.
-// The int8 panels of builds with it take int16 activations (a scale per row and 256 k, see
-// panel_input in cpu_decode.cpp): 32 weights a sign extension and one instruction per row,
-// where widening to fp32 took four and two FMAs. Every AVX512-BF16 CPU has it (Cooper Lake,
-// Sapphire Rapids and later, Zen 4 and later); the native build is compiled with it.
-// VS_INT_DOT's vocabulary (isa/avx2.h has the int8 one): kDotGroup k of a feature side by
-// side in the panel, activations of act_t, load_i8_group / broadcast_act / dot_act / store_act.
+// Integer dot products for the int8 panels (VS_INT_DOT; isa.h lists the vocabulary). Every
+// AVX512-BF16 CPU has VNNI (Cooper Lake, Sapphire Rapids and later, Zen 4 and later); the
+// native build is compiled with it. Two products, chosen per machine (panel_activation_bits in
+// cpu_decode.cpp): int16 activations where the AMX-INT8 tiles take over from 5 rows (they split
+// the same int16 values into bytes, so tiles and panels agree bit for bit), unsigned int8 ones
+// elsewhere: at 8 rows vpdpwssd's 32 products per instruction and the weights' sign extension
+// made the GEMV compute-bound on a Zen 4 (6.1 ms a bench decoder pass against 3.6 at 4 rows).
 #define VS_INT_DOT 1
 #define VS_I16_DOT 1  // the AMX-INT8 tiles split these int16 activations into bytes
-constexpr int64_t kDotGroup = 2;
-using act_t = int16_t;
-constexpr float kActMax = 32767.f;
 using vi = __m512i;   // 16 int32 lanes
-using vwq = __m512i;  // 16 features x 2 k, sign-extended to int16
-using vxq = __m512i;  // one activation pair in every 32-bit lane
-constexpr int64_t kActSpread = 1;  // activation elements per k: the int16 values themselves
 inline vi izero() { return _mm512_setzero_si512(); }
 inline vi iadd(vi a, vi b) { return _mm512_add_epi32(a, b); }
-// 32 int8 (16 pairs of adjacent k) sign-extended to int16
-inline vwq load_i8_group(const int8_t* p) {
-  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-inline vi dot_act(vi acc, vwq a, vxq b) { return _mm512_dpwssd_epi32(acc, a, b); }
-// two adjacent int16 in every 32-bit lane, broadcast straight from memory
-inline vxq broadcast_act(const int16_t* p) {
-  int32_t pair;
-  std::memcpy(&pair, p, sizeof(pair));
-  return _mm512_set1_epi32(pair);
-}
+inline vi isub(vi a, vi b) { return _mm512_sub_epi32(a, b); }
+inline vi iload(const int32_t* p) { return _mm512_loadu_si512(p); }
 inline vf to_float(vi v) { return _mm512_cvtepi32_ps(v); }
-// activation k of a row set to zero
-inline void clear_act(int16_t* row, int64_t k) { row[k] = 0; }
-// round(x) saturated to int16, lanes [0, n) stored
-inline void store_act(int16_t* p, vf x, int64_t n) {
-  _mm256_mask_storeu_epi16(p, lanes(n), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(x)));
-}
+
+// int16 pairs (vpdpwssd): acc[i] += a[2i] * b[2i] + a[2i+1] * b[2i+1] in int32; per 32 weights
+// of a row a sign extension and one instruction
+struct I16Dot {
+  static constexpr int kBits = 16;
+  static constexpr int64_t kGroup = 2;  // k of a feature side by side in the panel
+  using act_t = int16_t;
+  static constexpr float kMax = 32767.f;
+  static constexpr int kZero = 0;        // the stored value of x = 0
+  static constexpr int64_t kSpread = 1;  // activation elements per k
+  using vw = __m512i;                    // 16 features x 2 k, sign-extended to int16
+  using vx = __m512i;              // one activation pair in every 32-bit lane
+  // 32 int8 (16 pairs of adjacent k) sign-extended to int16
+  static vw load_group(const int8_t* p) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  // two adjacent int16 in every 32-bit lane, broadcast straight from memory
+  static vx broadcast(const int16_t* p) {
+    int32_t pair;
+    std::memcpy(&pair, p, sizeof(pair));
+    return _mm512_set1_epi32(pair);
+  }
+  static vi dot(vi acc, vw w, vx x) { return _mm512_dpwssd_epi32(acc, w, x); }
+  // round(x) saturated to int16, lanes [0, n) stored
+  static void store(int16_t* p, vf x, int64_t n) {
+    _mm256_mask_storeu_epi16(p, lanes(n), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(x)));
+  }
+  static void clear(int16_t* row, int64_t k) { row[k] = 0; }
+};
+
+// unsigned int8 quads (vpdpbusd): acc[i] += sum of 4 products of unsigned by signed bytes, in
+// int32 with no intermediate saturation, so activations go in offset by 128 (x in [-127, 127]
+// stored as x + 128) against the signed weights as they are, and the offset's share, 128 times
+// each feature's weight sum over the stretch, is taken off once per 256 k (Panels::offsets).
+// 64 products a row per instruction, no widening: the same instruction count per weight as
+// AVX2's int8 path has per 32.
+struct U8Dot {
+  static constexpr int kBits = 8;
+  static constexpr int64_t kGroup = 4;
+  using act_t = uint8_t;
+  static constexpr float kMax = 127.f;
+  static constexpr int kZero = 128;
+  static constexpr int64_t kSpread = 1;
+  using vw = __m512i;  // 16 features x 4 k of int8, feature by feature
+  using vx = __m512i;  // one activation quad in every 32-bit lane
+  static vw load_group(const int8_t* p) { return _mm512_loadu_si512(p); }
+  static vx broadcast(const uint8_t* p) {
+    int32_t quad;
+    std::memcpy(&quad, p, sizeof(quad));
+    return _mm512_set1_epi32(quad);
+  }
+  static vi dot(vi acc, vw w, vx x) { return _mm512_dpbusd_epi32(acc, x, w); }
+  // round(x) clamped to [-127, 127] plus 128, lanes [0, n) stored
+  static void store(uint8_t* p, vf x, int64_t n) {
+    __m512i q = _mm512_cvtps_epi32(x);
+    q = _mm512_min_epi32(_mm512_max_epi32(q, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
+    q = _mm512_add_epi32(q, _mm512_set1_epi32(kZero));
+    _mm_mask_storeu_epi8(p, lanes(n), _mm512_cvtepi32_epi8(q));
+  }
+  static void clear(uint8_t* row, int64_t k) { row[k] = kZero; }
+};
 #endif
 
 }  // namespace vs
