@@ -43,8 +43,9 @@ COPY vision_serve ./vision_serve
 COPY pipelines ./pipelines
 RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu .
 
-# Every kernel variant (AVX-512 with BF16, AVX-512, AVX2) and the int8 GEMV, whatever CPU builds
-# the image: the compiler targets the instruction set its flags name, and nothing is imported.
+# Every kernel variant (AVX-512 with BF16, with VNNI, alone; AVX2) and the int8 GEMV, whatever
+# CPU builds the image: the compiler targets the instruction set its flags name, and nothing is
+# imported.
 # Each module carries a stamp of its sources, flags, torch and Python; at start the engine
 # imports the one for its CPU from here, so no container compiles (a stamp that does not match,
 # or a damaged file, is compiled into /cache instead). --verify imports this CPU's modules

@@ -15,7 +15,7 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 YOLO_OFFLINE=1 YOLO_AUTOINSTALL=F
 ruff format --check .
 ruff check .
 tier=${VS_TEST_TIER:-$([ -n "${CI:-}" ] && echo all || echo fast)}
-# Kernel variants this CPU does not run must still compile (both AVX-512 ones on an AVX2-only
+# Kernel variants this CPU does not run must still compile (the AVX-512 ones on an AVX2-only
 # CPU). The compiler runs beside the tests, which spend much of their time waiting, and speaks
 # only if a build fails. Fast tier: the other variants' objects (-O0). Tier all: every variant
 # built as the Docker image builds them (python -m engine.kernels --prebuild), which

@@ -49,17 +49,24 @@ _FLAGS = ["-O3", "-fopenmp"]
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
 # variant -> the instruction-set flags that select its traits header (isa.h)
 VARIANTS = {
-    # every AVX512-BF16 CPU also has AVX512-VNNI (the int8 panels' int16 dot product)
+    # every AVX512-BF16 CPU also has AVX512-VNNI (the int8 panels' integer dot products)
     "native-bf16": [*_AVX512, "-mavx512bf16", "-mavx512vnni"],
+    # AVX-512 without bf16 arithmetic: with VNNI (Ice Lake, Cascade Lake: the int8 panels'
+    # int8 dot product) and without (Skylake-SP/X: int8 weights widened to fp32)
+    "emulated-bf16-vnni": [*_AVX512, "-mavx512vnni"],
     "emulated-bf16": _AVX512,
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
 }
 _MODULES = {
     "native-bf16": "vision_serve_cpu_decode",
+    "emulated-bf16-vnni": "vision_serve_cpu_decode_bf16_emulated_vnni",
     "emulated-bf16": "vision_serve_cpu_decode_bf16_emulated",
     "avx2": "vision_serve_cpu_decode_avx2",
 }
 DISABLE_ENV = "VISION_SERVE_DISABLE_CPU_KERNELS"
+# a variant this CPU can run, chosen over its best one: runs a lesser build's code paths (the
+# AVX2 kernels on an AVX-512 machine) in tests and benchmarks
+VARIANT_ENV = "VISION_SERVE_CPU_VARIANT"
 PREBUILT_ENV = "VISION_SERVE_KERNELS_DIR"
 INT8_MODULE = "vision_serve_int8_linear"
 INT8_SOURCE = _DIR / "int8_linear.cpp"
@@ -115,7 +122,11 @@ def prebuild(out_dir: Path, variants: list[str] | None = None) -> dict[str, str 
     if unknown:
         raise ValueError(f"unknown kernel variant(s) {unknown}; known: {sorted(VARIANTS)}")
     exts = {ext.name: ext for variant in chosen for ext in extensions(variant)}
-    return build.build_all(list(exts.values()), out_dir)
+    # objects this machine's build cache already holds (its own variant's, compiled at setup,
+    # kept keyed by command and inputs) are linked, not compiled again: CI's prebuild then
+    # compiles only the variants this CPU does not run. A fresh host (the image build) has none
+    reuse = cache_dir() / "obj"
+    return build.build_all(list(exts.values()), out_dir, obj_dir=reuse if reuse.is_dir() else None)
 
 
 def _load(ext: build.Extension) -> ModuleType:
@@ -158,14 +169,35 @@ def cpu_supports_avx2() -> bool:
     return _cpu_probe("_is_avx2_supported")
 
 
-def cpu_variant() -> str | None:
-    """The kernel variant this CPU runs (a key of :data:`VARIANTS`), or ``None``."""
+def runnable_variants() -> list[str]:
+    """The kernel variants this CPU can run (keys of :data:`VARIANTS`), best first."""
+    out = []
     if cpu_supports_avx512():
-        native = cpu_supports_avx512_bf16() and cpu_supports_avx512_vnni()
-        return "native-bf16" if native else "emulated-bf16"
+        if cpu_supports_avx512_vnni():
+            if cpu_supports_avx512_bf16():
+                out.append("native-bf16")
+            out.append("emulated-bf16-vnni")
+        out.append("emulated-bf16")
     if cpu_supports_avx2():
-        return "avx2"
-    return None
+        out.append("avx2")
+    return out
+
+
+def cpu_variant() -> str | None:
+    """The kernel variant this CPU runs (a key of :data:`VARIANTS`): its best, or the one
+    ``VISION_SERVE_CPU_VARIANT`` names where the CPU can run it; ``None`` without one."""
+    runnable = runnable_variants()
+    forced = os.environ.get(VARIANT_ENV, "")
+    if forced and forced in runnable:
+        return forced
+    if forced:
+        _warn_once(f"{VARIANT_ENV}={forced} ignored: this CPU runs {runnable or 'none'}")
+    return runnable[0] if runnable else None
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning("%s", message)
 
 
 @functools.cache

@@ -27,12 +27,13 @@ def test_the_loaded_build_is_this_cpus_variant() -> None:
     assert kernels.isa == ("avx2" if variant == "avx2" else "avx512")
     assert kernels.bf16_dot == (variant == "native-bf16")
     # int8 panels: int16 activations where AMX-INT8 tiles share them, else int8 ones (VNNI's
-    # vpdpbusd in the native build, vpmaddubsw on AVX2); widened to fp32 in the emulated build
+    # vpdpbusd, vpmaddubsw on AVX2); widened to fp32 in the AVX-512 build without VNNI
     amx_int8 = kernels.amx_int8_usable()
-    want_bits = {"native-bf16": 16 if amx_int8 else 8, "avx2": 8}.get(variant, 0)
-    assert kernels.int8_activation_bits == want_bits
-    want_supported = {"native-bf16": [0, 8, 16], "avx2": [0, 8]}.get(variant, [0])
-    assert list(kernels.int8_activation_bits_supported) == want_supported
+    want_bits = {"native-bf16": 16 if amx_int8 else 8, "emulated-bf16-vnni": 8, "avx2": 8}
+    assert kernels.int8_activation_bits == want_bits.get(variant, 0)
+    vnni = [0, 8, 16]
+    want_supported = {"native-bf16": vnni, "emulated-bf16-vnni": vnni, "avx2": [0, 8]}
+    assert list(kernels.int8_activation_bits_supported) == want_supported.get(variant, [0])
 
 
 @pytest.mark.parametrize("rows", [*range(1, 9), 12, 16])

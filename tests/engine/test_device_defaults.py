@@ -47,17 +47,20 @@ def test_auto_dtype_without_bf16_arithmetic_or_kernels_is_fp32(monkeypatch) -> N
 
 
 def test_kernel_variant_follows_the_instruction_set(monkeypatch) -> None:
-    """One module per variant: AVX-512 with or without its bf16 dot product, else AVX2; the
-    compile check covers the others."""
+    """One module per variant: AVX-512 with or without its bf16 dot product (without it, with
+    or without VNNI's integer one), else AVX2; the compile check covers the others.
+    VISION_SERVE_CPU_VARIANT picks a lesser one the CPU runs, and is ignored otherwise."""
     import engine.kernels as kernels
 
     cases = [  # (avx512, bf16, vnni, avx2): the native build needs AVX512-BF16 and VNNI
         ((True, True, True, True), "native-bf16"),
         ((True, True, False, True), "emulated-bf16"),
-        ((True, False, True, True), "emulated-bf16"),
+        ((True, False, True, True), "emulated-bf16-vnni"),
+        ((True, False, False, True), "emulated-bf16"),
         ((False, False, False, True), "avx2"),
         ((False, False, False, False), None),
     ]
+    monkeypatch.delenv(kernels.VARIANT_ENV, raising=False)
     for (avx512, bf16, vnni, avx2), want in cases:
         monkeypatch.setattr(kernels, "cpu_supports_avx512", lambda v=avx512: v)
         monkeypatch.setattr(kernels, "cpu_supports_avx512_bf16", lambda v=bf16: v)
@@ -65,6 +68,18 @@ def test_kernel_variant_follows_the_instruction_set(monkeypatch) -> None:
         monkeypatch.setattr(kernels, "cpu_supports_avx2", lambda v=avx2: v)
         assert kernels.cpu_variant() == want
         assert set(kernels.variants_not_loaded()) == set(kernels.VARIANTS) - {want}
+    for name, value in [
+        ("avx512", True),
+        ("avx512_bf16", False),
+        ("avx512_vnni", True),
+        ("avx2", True),
+    ]:
+        monkeypatch.setattr(kernels, f"cpu_supports_{name}", lambda v=value: v)
+    assert kernels.runnable_variants() == ["emulated-bf16-vnni", "emulated-bf16", "avx2"]
+    monkeypatch.setenv(kernels.VARIANT_ENV, "avx2")
+    assert kernels.cpu_variant() == "avx2"
+    monkeypatch.setenv(kernels.VARIANT_ENV, "native-bf16")  # not on this CPU: its best
+    assert kernels.cpu_variant() == "emulated-bf16-vnni"
 
 
 def _rows(device: str, dtype: torch.dtype, requested: int | None = None) -> int | None:

@@ -5,7 +5,8 @@ imports the one for its CPU from ``$VISION_SERVE_KERNELS_DIR`` without compiling
 does not match, or a damaged file, falls back to a compile into the writable cache with one
 log line saying why. The builder and loader are checked on a tiny extension (a second to
 compile); the real modules on the build this machine already has (fast tier) and on a build of
-every variant (slow tier: three variants at ~75 s of compiler time each on 2 cores).
+every variant (slow tier: four variants at ~75 s of compiler time each on 2 cores, less the
+objects of this CPU's own that the build cache already holds).
 """
 
 from __future__ import annotations
