@@ -328,9 +328,9 @@ constexpr int kPanelRows = kWideRegs ? 8 : 4;
 // chains), not 4 + 4 (8 and 8, the bare minimum: 5 % slower at 8 rows, 10 % at 7).
 constexpr int kFullRowsI8 = kWideRegs ? 8 : 2, kHalfRowsI8 = 6;
 // int8 panels with an integer dot product (VS_INT_DOT): int16 ones (AVX-512) in blocks of up to
-// 4 rows, the panel's 8 KiB then read from L1 by the second block (2-core Zen 5, one process in turns:
-// 8 rows of a 4096 x 768 matrix 90 us as 2 x 4 against 112 as one block of 8 and 97 as 4 + 4
-// of 6-row limit; 16 rows 186 against 226; 2-row blocks 1.5x slower). On AVX2 a half panel
+// 4 rows, the panel's 8 KiB then read from L1 by the second block (2-core Zen 5, one process in
+// turns: 8 rows of a 4096 x 768 matrix 90 us as 2 x 4 against 112 as one block of 8 and 97 as
+// 4 + 4 of 6-row limit; 16 rows 186 against 226; 2-row blocks 1.5x slower). On AVX2 a half panel
 // of 4 rows (8 accumulators, 2 weight registers, the broadcast, its magnitude and the
 // products) or both halves of 1-2 rows: 8 rows as 4 x 4 half blocks 22 us, as 2 x 4 whole
 // ones 22 us (one Zen 3 core, weights in L2).
@@ -413,7 +413,8 @@ int64_t panel_group(int bits) {
 #ifdef VS_I16_DOT
   if (bits == 16) return Int16Dot::kGroup;
 #endif
-  TORCH_CHECK(bits == 0, "int8 activations of ", bits, " bits: this build takes 0, 8 or 16");
+  TORCH_CHECK(bits == 0, "int8 activations of ", bits,
+              " bits: not one this build takes (int8_activation_bits_supported)");
   return 1;
 }
 
@@ -693,9 +694,8 @@ using PanelKernelQ = void (*)(const uint8_t*, int64_t, const int8_t*, int, int64
 // AVX-512: blocks of 1..8 rows and both halves of a panel, at 1-2 rows more accumulator sets
 // (int16: 4 at 1 row, for 8 independent vpdpwssd chains; unsigned int8: 2 -- the bench
 // decoder's GEMV at 1 row against int16's, Zen 4: 4 % slower with 2 sets, 6-7 % with 1, 16 %
-// with 4; from 2 rows the same or faster). AVX2: 1..4
-// rows of a half, or 1-2 rows of both halves; one set (the chain through each accumulator is a
-// 1-cycle add)
+// with 4; from 2 rows the same or faster). AVX2: 1..4 rows of a half, or 1-2 rows of both
+// halves; one set (the chain through each accumulator is a 1-cycle add)
 static_assert(kFullRowsQ <= 4 && kFullRowsQ8 <= 8 && kHalfRowsQ == 4, "the kernels below");
 template <typename D>
 PanelKernelQ q_kernel_for(int R, int V) {
@@ -1931,8 +1931,7 @@ class FusedDecoder {
       s.out->K = K;
       dst += bytes(s);
     }
-    // the offset activations' shares (Panels::offsets), read beside the panels: on huge pages
-    // too
+    // the offset activations' shares (Panels::offsets) are read beside the panels: huge pages too
     std::vector<Panels*> with_offsets;
     std::vector<at::Tensor> offsets;
     for (const Spec& s : specs)

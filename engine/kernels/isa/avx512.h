@@ -149,6 +149,12 @@ inline vi iadd(vi a, vi b) { return _mm512_add_epi32(a, b); }
 inline vi isub(vi a, vi b) { return _mm512_sub_epi32(a, b); }
 inline vi iload(const int32_t* p) { return _mm512_loadu_si512(p); }
 inline vf to_float(vi v) { return _mm512_cvtepi32_ps(v); }
+// the 4 bytes at p in every 32-bit lane, broadcast straight from memory
+inline __m512i broadcast_u32(const void* p) {
+  int32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  return _mm512_set1_epi32(word);
+}
 
 // int16 pairs (vpdpwssd): acc[i] += a[2i] * b[2i] + a[2i+1] * b[2i+1] in int32; per 32 weights
 // of a row a sign extension and one instruction
@@ -160,17 +166,12 @@ struct I16Dot {
   static constexpr int kZero = 0;        // the stored value of x = 0
   static constexpr int64_t kSpread = 1;  // activation elements per k
   using vw = __m512i;                    // 16 features x 2 k, sign-extended to int16
-  using vx = __m512i;              // one activation pair in every 32-bit lane
+  using vx = __m512i;                    // one activation pair in every 32-bit lane
   // 32 int8 (16 pairs of adjacent k) sign-extended to int16
   static vw load_group(const int8_t* p) {
     return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
-  // two adjacent int16 in every 32-bit lane, broadcast straight from memory
-  static vx broadcast(const int16_t* p) {
-    int32_t pair;
-    std::memcpy(&pair, p, sizeof(pair));
-    return _mm512_set1_epi32(pair);
-  }
+  static vx broadcast(const int16_t* p) { return broadcast_u32(p); }  // two adjacent k
   static vi dot(vi acc, vw w, vx x) { return _mm512_dpwssd_epi32(acc, w, x); }
   // round(x) saturated to int16, lanes [0, n) stored
   static void store(int16_t* p, vf x, int64_t n) {
@@ -195,11 +196,7 @@ struct U8Dot {
   using vw = __m512i;  // 16 features x 4 k of int8, feature by feature
   using vx = __m512i;  // one activation quad in every 32-bit lane
   static vw load_group(const int8_t* p) { return _mm512_loadu_si512(p); }
-  static vx broadcast(const uint8_t* p) {
-    int32_t quad;
-    std::memcpy(&quad, p, sizeof(quad));
-    return _mm512_set1_epi32(quad);
-  }
+  static vx broadcast(const uint8_t* p) { return broadcast_u32(p); }  // four adjacent k
   static vi dot(vi acc, vw w, vx x) { return _mm512_dpbusd_epi32(acc, x, w); }
   // round(x) clamped to [-127, 127] plus 128, lanes [0, n) stored
   static void store(uint8_t* p, vf x, int64_t n) {
