@@ -142,6 +142,18 @@ class PlatformPlan:
     decode_graphs: str = "off"
 
     @property
+    def int8_activation_bits(self) -> int | None:
+        """What an int8 model's fused decode step rounds its activations to (one scale per row
+        and 256 inputs; the kernel module's ``int8_activation_bits`` decides the same): 16
+        where AMX-INT8 tiles share them with the panels, 0 where int8 weights are widened to
+        fp32 (AVX-512 without VNNI) or no fused step runs, 8 elsewhere; None without int8."""
+        if self.quantization != "int8":
+            return None
+        if not self.use_cpu_kernels or self.kernel_variant == "emulated-bf16":
+            return 0
+        return 16 if self.gemv_amx_tiles else 8
+
+    @property
     def emulated_bf16(self) -> bool:
         """bf16 weights on a CPU without bf16 arithmetic: products widen them to fp32."""
         return (
@@ -161,6 +173,7 @@ class PlatformPlan:
             f"weight_prefetch={self.weight_prefetch_bytes} "
             f"gemv={'amx-tiles' if self.gemv_amx_tiles else 'dot'} "
             f"prefill_attention={self.prefill_attention} decode_graphs={self.decode_graphs}"
+            + ("" if self.quantization != "int8" else f" int8_act_bits={self.int8_activation_bits}")
         )
 
     @property

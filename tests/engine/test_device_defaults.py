@@ -147,6 +147,15 @@ def test_the_platform_plan_decides_together(monkeypatch) -> None:
     assert int8_amx.gemv_amx_tiles
     int8_fast = _plan(monkeypatch, True, variant="native-bf16", quantization="int8")
     assert not int8_fast.gemv_amx_tiles
+    # int8 activations: int16 beside AMX-INT8 tiles, int8 through the other integer products,
+    # widened where AVX-512 has no VNNI (and unrounded without the fused step)
+    assert int8_amx.int8_activation_bits == 16 and "int8_act_bits=16" in int8_amx.describe()
+    assert int8_fast.int8_activation_bits == 8 and fast.int8_activation_bits is None
+    assert "int8_act_bits" not in fast.describe()
+    for variant, bits in [("emulated-bf16-vnni", 8), ("emulated-bf16", 0), ("avx2", 8)]:
+        assert _plan(monkeypatch, False, variant, quantization="int8").int8_activation_bits == bits
+    int8_eager = _plan(monkeypatch, True, quantization="int8", dtype=torch.float32)
+    assert int8_eager.int8_activation_bits == 0
     assert not _plan(
         monkeypatch, True, variant="native-bf16", amx=True, cpu_kernels=False
     ).gemv_amx_tiles

@@ -377,6 +377,9 @@ def test_int8_decode_steps_on_amx_tiles_equal_the_panels(bf16_int8) -> None:
     decoder = runner.fused_decoder
     plan = bf16_int8.engine.platform
     assert runner.gemv_amx_tiles == plan.gemv_amx_tiles
+    # the plan states the activation precision the kernel module chose on this machine
+    bits = load_cpu_decode().int8_activation_bits
+    assert plan.int8_activation_bits == bits and f"int8_act_bits={bits}" in plan.describe()
     if not _amx_int8():
         assert not decoder.amx_gemv
         pytest.skip("no AMX-INT8 here: the panels")
