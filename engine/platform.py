@@ -154,6 +154,14 @@ class PlatformPlan:
         return 16 if self.gemv_amx_tiles else 8
 
     @property
+    def int8_i16_rows(self) -> int:
+        """Steps of up to this many rows keep int16 activations where int8_activation_bits is
+        8 (VNNI without AMX, the module's ``int8_i16_rows``): few rows stream weights whatever
+        the product."""
+        vnni = self.kernel_variant in ("native-bf16", "emulated-bf16-vnni")
+        return 4 if vnni and self.int8_activation_bits == 8 else 0
+
+    @property
     def emulated_bf16(self) -> bool:
         """bf16 weights on a CPU without bf16 arithmetic: products widen them to fp32."""
         return (
@@ -174,6 +182,7 @@ class PlatformPlan:
             f"gemv={'amx-tiles' if self.gemv_amx_tiles else 'dot'} "
             f"prefill_attention={self.prefill_attention} decode_graphs={self.decode_graphs}"
             + ("" if self.quantization != "int8" else f" int8_act_bits={self.int8_activation_bits}")
+            + (f" (16 to {self.int8_i16_rows} rows)" if self.int8_i16_rows else "")
         )
 
     @property

@@ -34,6 +34,8 @@ def test_the_loaded_build_is_this_cpus_variant() -> None:
     vnni = [0, 8, 16]
     want_supported = {"native-bf16": vnni, "emulated-bf16-vnni": vnni, "avx2": [0, 8]}
     assert list(kernels.int8_activation_bits_supported) == want_supported.get(variant, [0])
+    # VNNI builds: steps of up to 4 rows keep int16 activations against the int8 layout
+    assert kernels.int8_i16_rows == (4 if variant in ("native-bf16", "emulated-bf16-vnni") else 0)
 
 
 @pytest.mark.parametrize("rows", [*range(1, 9), 12, 16])

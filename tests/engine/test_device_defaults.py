@@ -151,6 +151,8 @@ def test_the_platform_plan_decides_together(monkeypatch) -> None:
     # widened where AVX-512 has no VNNI (and unrounded without the fused step)
     assert int8_amx.int8_activation_bits == 16 and "int8_act_bits=16" in int8_amx.describe()
     assert int8_fast.int8_activation_bits == 8 and fast.int8_activation_bits is None
+    assert int8_fast.int8_i16_rows == 4 and "(16 to 4 rows)" in int8_fast.describe()
+    assert int8_amx.int8_i16_rows == 0 and fast.int8_i16_rows == 0
     assert "int8_act_bits" not in fast.describe()
     for variant, bits in [("emulated-bf16-vnni", 8), ("emulated-bf16", 0), ("avx2", 8)]:
         assert _plan(monkeypatch, False, variant, quantization="int8").int8_activation_bits == bits

@@ -156,7 +156,8 @@ def test_int8_panels_compute_with_the_dequantized_weight(bits, rows, n, k) -> No
     has. Where activations are widened to fp32 only the summation order differs from
     x @ (q * s).T; where they are rounded to int16 or int8, one scale per row and 256 k, each
     output moves by at most half a step of that rounding per term, no more (VNNI's int8 goes
-    in offset to unsigned: the offset's share comes back out exactly)."""
+    in offset to unsigned: the offset's share comes back out exactly; its panels take int16
+    activations for steps of up to int8_i16_rows rows, read from the same layout)."""
     kernels = load_cpu_decode()
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=gen).bfloat16()
@@ -166,6 +167,8 @@ def test_int8_panels_compute_with_the_dequantized_weight(bits, rows, n, k) -> No
     want = x.float() @ w.T
     assert got.dtype == torch.float32 and got.shape == (rows, n)
     atol = 2e-6 * k
+    if bits == 8 and rows <= kernels.int8_i16_rows:
+        bits = 16
     if bits:
         stretch_max = torch.cat(
             [c.abs().amax(dim=1, keepdim=True).expand_as(c) for c in x.float().split(256, dim=1)],
@@ -378,8 +381,11 @@ def test_int8_decode_steps_on_amx_tiles_equal_the_panels(bf16_int8) -> None:
     plan = bf16_int8.engine.platform
     assert runner.gemv_amx_tiles == plan.gemv_amx_tiles
     # the plan states the activation precision the kernel module chose on this machine
-    bits = load_cpu_decode().int8_activation_bits
+    kernels = load_cpu_decode()
+    bits = kernels.int8_activation_bits
     assert plan.int8_activation_bits == bits and f"int8_act_bits={bits}" in plan.describe()
+    i16_rows = kernels.int8_i16_rows if bits == 8 else 0
+    assert plan.int8_i16_rows == i16_rows
     if not _amx_int8():
         assert not decoder.amx_gemv
         pytest.skip("no AMX-INT8 here: the panels")

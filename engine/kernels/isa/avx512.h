@@ -207,6 +207,37 @@ struct U8Dot {
   }
   static void clear(uint8_t* row, int64_t k) { row[k] = kZero; }
 };
+
+// int16 activations against U8Dot's panels (groups of 4 k): each 64 bytes of a half give two
+// sets of 16 features x 2 k -- the even and the odd 16-bit words (vpmovdw), sign-extended --
+// and one vpdpwssd each, so the sums land feature by feature as I16Dot's. Few-row steps take
+// it: there the step streams weights, and int8 activations' products bought nothing but a
+// slower 1-row step (see panel_input in cpu_decode.cpp).
+struct I16QuadDot {
+  static constexpr int kBits = 16;
+  static constexpr int64_t kGroup = 4;
+  using act_t = int16_t;
+  static constexpr float kMax = 32767.f;
+  static constexpr int kZero = 0;
+  static constexpr int64_t kSpread = 1;
+  struct vw {  // 16 features x (k0, k1) and x (k2, k3), sign-extended to int16
+    __m512i lo, hi;
+  };
+  struct vx {  // the activation pairs (k0, k1) and (k2, k3) in every 32-bit lane
+    __m512i lo, hi;
+  };
+  static vw load_group(const int8_t* p) {
+    const __m512i v = _mm512_loadu_si512(p);
+    return {_mm512_cvtepi8_epi16(_mm512_cvtepi32_epi16(v)),
+            _mm512_cvtepi8_epi16(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)))};
+  }
+  static vx broadcast(const int16_t* p) { return {broadcast_u32(p), broadcast_u32(p + 2)}; }
+  static vi dot(vi acc, vw w, vx x) {
+    return _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(acc, w.lo, x.lo), w.hi, x.hi);
+  }
+  static void store(int16_t* p, vf x, int64_t n) { I16Dot::store(p, x, n); }
+  static void clear(int16_t* row, int64_t k) { I16Dot::clear(row, k); }
+};
 #endif
 
 }  // namespace vs
