@@ -213,13 +213,8 @@ struct U8Dot {
 // and one vpdpwssd each, so the sums land feature by feature as I16Dot's. Few-row steps take
 // it: there the step streams weights, and int8 activations' products bought nothing but a
 // slower 1-row step (see panel_input in cpu_decode.cpp).
-struct I16QuadDot {
-  static constexpr int kBits = 16;
+struct I16QuadDot : I16Dot {  // I16Dot's activations (bits, rounding, store, clear)
   static constexpr int64_t kGroup = 4;
-  using act_t = int16_t;
-  static constexpr float kMax = 32767.f;
-  static constexpr int kZero = 0;
-  static constexpr int64_t kSpread = 1;
   struct vw {  // 16 features x (k0, k1) and x (k2, k3), sign-extended to int16
     __m512i lo, hi;
   };
@@ -235,8 +230,6 @@ struct I16QuadDot {
   static vi dot(vi acc, vw w, vx x) {
     return _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(acc, w.lo, x.lo), w.hi, x.hi);
   }
-  static void store(int16_t* p, vf x, int64_t n) { I16Dot::store(p, x, n); }
-  static void clear(int16_t* row, int64_t k) { I16Dot::clear(row, k); }
 };
 #endif
 
