@@ -2,10 +2,11 @@
 
 Runs every matrix of a ``bench``-shaped decoder (12 layers of q, k, v, o, gate, up, down) and,
 with ``--lm-head``, its lm_head through each weight path this build and CPU have, best of
-``--repeats`` passes each: ``bf16-panel`` (the emulated builds' panels), ``int8-panel``
-(weight-only int8), ``bf16-rowmajor`` (the dot-product kernel the engine uses below the
-panels' row threshold, 1-16 rows), and on AMX CPUs ``int8-tile`` / ``bf16-tile`` (the
-AMX-INT8 and AMX-BF16 tiles of ``engine/kernels/amx_gemv.h``; bf16 tiles 1-16 rows). Which
+``--repeats`` passes each: ``bf16-panel`` (bf16 panels: widened in the emulated builds, the
+bf16 dot product in the native one), ``int8-panel`` (weight-only int8), ``bf16-rowmajor`` (the
+kernel the engine uses below the panels' row threshold, 1-16 rows), and on AMX CPUs
+``int8-tile`` / ``bf16-tile`` (the AMX-INT8 and AMX-BF16 tiles of
+``engine/kernels/amx_gemv.h``; bf16 tiles 1-16 rows). Which
 path wins at which row count is what ``kPanelRows``, ``kI8TileRows`` and the panel blocks in
 ``engine/kernels/cpu_decode.cpp`` encode; run it after changing either. Paths are timed in
 turns, pass by pass (the machines here move 20-40 % between minutes).
@@ -60,8 +61,7 @@ def main() -> None:
     int8 = [quantize_int8(w) for w in weights]
     params = sum(n * k for n, k in shapes)
     paths: dict[str, tuple[object, int]] = {}  # name -> (forward over all matrices, most rows)
-    if not ext.bf16_dot:
-        paths["bf16-panel"] = (ext.PanelGemv, weights, 1 << 30)
+    paths["bf16-panel"] = (ext.PanelGemv, weights, 1 << 30)
     paths["int8-panel"] = (ext.PanelGemv, int8, 1 << 30)
     if getattr(ext, "amx_int8_usable", lambda: False)():
         paths["int8-tile"] = (ext.TileGemv, int8, 1 << 30)

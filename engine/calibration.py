@@ -298,6 +298,14 @@ def _cpu_name() -> str:
     return cpuinfo_field("model name") or platform.processor()
 
 
+def _kernels_digest(variant: str | None) -> str | None:
+    if variant is None:
+        return None
+    from engine.kernels import sources_digest
+
+    return sources_digest(variant)
+
+
 def calibration_key(engine: LLMEngine) -> str:
     """What a calibration depends on: the machine (CPU model, ISA torch uses, threads, GPU),
     the model (its config), the dtype and the engine's shape (kernels, item sizes, limits)."""
@@ -317,6 +325,10 @@ def calibration_key(engine: LLMEngine) -> str:
         "quantization": args.quantization,
         # every hardware choice (attention kind, linears, kernels build): a new one is new code
         "platform": engine.platform.describe(),
+        # and the kernels' own code: a faster GEMV prices every fused step anew
+        "kernels": _kernels_digest(engine.platform.kernel_variant)
+        if engine.platform.use_cpu_kernels
+        else None,
         "fused_decode_rows": engine.runner.fused_decode_rows,
         "fused_prefill_rows": engine.runner.fused_prefill_rows,
         "gemv_max_rows": engine.runner.gemv_max_rows,

@@ -91,8 +91,15 @@ FUSED_PROMPT_ROWS_AMX = 256
 #   17.8 / 17.0, batch 8 19.6 / 23.3, batch 12 21.0 / 31.0, batch 16 24.5 / 40.3 (oneDNN's GEMM
 #   past 4 rows: 37-42 ms at 8-16 rows that minute). The dot product is compute-bound from a
 #   few rows here; tiles read the weights at any row count up to 16.
-# - On a Zen 4 EPYC (family 25) an earlier prefetch had lost to the hardware's (session 3, not
-#   re-measured since): there the GEMV stops at 4 rows with no software prefetch, as before.
+# - Since session 35 the GEMV's steps of 2+ rows multiply bf16 panels (the emulated builds'
+#   layout, engine/kernels/cpu_decode.cpp ``panel_block_dot``), not the row-major weights: on a
+#   Zen 4 EPYC (family 25: the only AMD family 25 with AVX512-BF16) decode steps in turns
+#   against the row-major GEMV of up to 4 rows and oneDNN past them (``benchmarks.weight_prefetch
+#   --batches 1 2 4 8 12 16 --gemv-rows 4 12 16``): batch 4 6.6-7.2 against 8.8 ms, batch 8
+#   8.4-8.9 against 11.1, batch 12 10.9-11.3 against 13.7, batch 16 the same as oneDNN (15.9-16.1
+#   against 16.1). So Zen 4 takes the GEMV to 16 rows; its 1-row steps keep the row-major kernel
+#   and the hardware prefetcher alone (4 KiB ahead: 6.6 against 6.1 ms). Zen 5's 12 rows and
+#   Intel's 16 were measured with the row-major GEMV and are not re-measured with panels.
 NATIVE_PREFETCH_BYTES = 4096
 GEMV_ROWS_DEFAULT = 4
 
@@ -103,6 +110,8 @@ def native_gemv_tuning(vendor: str, family: int) -> tuple[int, int]:
         return 16, NATIVE_PREFETCH_BYTES
     if vendor == "AuthenticAMD" and family >= 26:
         return 12, NATIVE_PREFETCH_BYTES
+    if vendor == "AuthenticAMD" and family == 25:
+        return 16, 0
     return GEMV_ROWS_DEFAULT, 0
 
 
@@ -123,8 +132,9 @@ class PlatformPlan:
     vision_dtype: torch.dtype
     encoder_rows_per_item: int | None  # None: whole encoder stages per item
     fused_prompt_rows: int  # most rows of a step with prompt tokens in the fused kernel
-    # the fused kernel's row-major GEMV: most rows it takes before oneDNN's packed GEMM, and
-    # how far ahead the native build asks for weights (0: the hardware prefetcher alone)
+    # the fused kernel's own GEMV (native build: row-major at 1 row, bf16 panels from 2): most
+    # rows it takes before oneDNN's packed GEMM, and how far ahead the row-major kernel asks for
+    # weights (0: the hardware prefetcher alone)
     gemv_max_rows: int = GEMV_ROWS_DEFAULT
     weight_prefetch_bytes: int = 0
     # that GEMV on AMX tiles (engine/kernels/amx_gemv.h) rather than AVX512-BF16 dot products;

@@ -100,6 +100,12 @@ def extensions(variant: str) -> list[build.Extension]:
     return [decode_extension(variant), int8_extension()]
 
 
+def sources_digest(variant: str) -> str:
+    """A digest of what ``variant``'s decode module is compiled from: anything measured on
+    its kernels (a step-cost calibration) is stale once it changes."""
+    return build.sources_digest(decode_extension(variant))
+
+
 def prebuilt_dir() -> Path | None:
     """``$VISION_SERVE_KERNELS_DIR``: modules built ahead (read only), or ``None``."""
     value = os.environ.get(PREBUILT_ENV, "").strip()

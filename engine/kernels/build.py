@@ -120,7 +120,7 @@ def link_command(ext: Extension, objects: Sequence[Path], output: str | Path) ->
     ]
 
 
-def _sources_digest(ext: Extension) -> str:
+def sources_digest(ext: Extension) -> str:
     h = hashlib.sha256()
     for path in (*ext.sources, *sorted(ext.headers)):
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
@@ -139,7 +139,7 @@ def stamp_inputs(ext: Extension, sources_sha256: str | None = None) -> dict[str,
     return {
         "format": STAMP_FORMAT,
         "module": ext.name,
-        "sources_sha256": sources_sha256 or _sources_digest(ext),
+        "sources_sha256": sources_sha256 or sources_digest(ext),
         "std": _STD,
         "cflags": list(ext.cflags),
         "ldflags": list(ext.ldflags),
@@ -217,7 +217,7 @@ def build_all(
         obj_dir.mkdir(parents=True, exist_ok=True)
         # the inputs as they are now: objects and stamps are labelled with these, and a
         # source edited while the compiler ran fails the build instead of being mislabelled
-        digests = {ext.name: _sources_digest(ext) for ext in exts}
+        digests = {ext.name: sources_digest(ext) for ext in exts}
         objects: dict[str, list[Path]] = {}
         todo: list[tuple[str, Path, list[str]]] = []
         for ext in exts:
@@ -254,7 +254,7 @@ def build_all(
             if err is not None and results[name] is None:
                 results[name] = f"compiling {Path(cmd[-3]).name} failed:\n{err}"
         for ext in exts:
-            if results[ext.name] is None and _sources_digest(ext) != digests[ext.name]:
+            if results[ext.name] is None and sources_digest(ext) != digests[ext.name]:
                 for obj in objects[ext.name]:
                     obj.unlink(missing_ok=True)
                 results[ext.name] = "its sources changed while they were compiled"

@@ -278,7 +278,8 @@ void dot_rows_blocked(const Activations& xs, const bf16* w, int64_t n0, int64_t 
 #endif
 
 // Output-feature panels: the decode GEMV's layout for int8 weights (every build, every row
-// count) and for bf16 weights at decode batches in the emulated builds (>= kPanelRows rows).
+// count) and for bf16 weights at decode batches (>= kPanelRows rows; the native build up to
+// its GEMV's row limit, oneDNN's packed GEMM past it).
 // Why: the row-major kernel above reduces every output in a 16-lane accumulator and widens
 // each weight vector once per 4 activation rows, and at 8-16 rows its widened activations
 // (16 x K fp32) overflow L1: 169 GFLOP/s at 16 rows, 46 % of the FMA peak. In a panel the
@@ -286,8 +287,13 @@ void dot_rows_blocked(const Activations& xs, const bf16* w, int64_t n0, int64_t 
 // product an outer product: one load, widened once, feeds an FMA per 16 features and
 // activation row, each activation is a broadcast scalar and no horizontal sum is left (223
 // against 169 GFLOP/s at 16 rows on an Ice Lake; a batch-16 engine decode step at 1,200
-// tokens of context 40.1 -> 37.9 ms). Below kPanelRows rows the row-major bf16 kernel streams
-// faster and keeps them; int8 has no row-major kernel here (one layout, one kernel to tune).
+// tokens of context 40.1 -> 37.9 ms). The native build's bf16 pair dot product takes a panel's
+// k pair as it is (panel_block_dot): the row-major dot product reduced each of its R x 16-lane
+// accumulators across lanes per output and ran out of independent chains at a few rows (Zen 4,
+// the bench decoder's matrices, benchmarks/gemv.py: 4 rows 7.7-9.3 against 5.2-6.4 ms, 8 rows
+// 9.7-12.2 against 5.7-7.0, 16 rows 20-21 against 9.5-10.7). Below kPanelRows rows the
+// row-major bf16 kernel streams as fast or faster and keeps them; int8 has no row-major kernel
+// here (one layout, one kernel to tune).
 struct Panels {
   // bf16: [P, K / 2, 64]: panel p, k pair i holds features 32p .. 32p + 15 as pairs
   // (w[f][2i], w[f][2i + 1]), then features 32p + 16 .. 32p + 31.
@@ -313,8 +319,14 @@ constexpr bool kWideRegs = vs::kVecRegs >= 32;
 // pass), at 2-3 rows the same. Session 33 (Zen 3): the GEMV alone (benchmarks/gemv.py --rows 1 2
 // 3 --lm-head, three runs) read panels 7-11 % faster at 1 row and 4-8 % at 2, but engine decode
 // steps with both builds in turns (the bf16 side of benchmarks/int8.py, three pairs) read 1 row
-// the same and 2 rows 6-16 % slower with panels from 1 row: 4 stays
+// the same and 2 rows 6-16 % slower with panels from 1 row: 4 stays. Native build (Zen 4, the
+// same GEMV benchmark): 1 row 5.5 against 5.4 ms row-major, 2 rows 5.3 against 5.6, so panels
+// from 2 rows; 1-row steps keep the row-major kernel and its tuned weight prefetch
+#ifdef VS_BF16_DOT
+constexpr int kPanelRows = 2;
+#else
 constexpr int kPanelRows = kWideRegs ? 8 : 4;
+#endif
 
 // Register blocks of the panel kernels: R activation rows x V halves (16 features each) of a
 // panel. AVX-512 takes both halves of up to 8 rows (16 of 32 registers accumulate). AVX2 has
@@ -339,7 +351,14 @@ constexpr int kFullRowsI8 = kWideRegs ? 8 : 2, kHalfRowsI8 = 6;
 // 8 rows of a 64 MiB matrix took 2.5-2.8 ms against 1.7-2.0 at 4 rows; in one block 1.96 (Zen 4).
 constexpr int kFullRowsQ = kWideRegs ? 4 : 2, kHalfRowsQ = 4;
 constexpr int kFullRowsQ8 = kWideRegs ? 8 : kFullRowsQ;
+// the native build's bf16 dot product keeps up to 12 rows' accumulators (24 of 32 registers,
+// the two weight vectors and a broadcast) in one block: 12 rows as one block 6.4 ms a bench
+// decoder pass against 8.7 as 6 + 6 (Zen 4); more rows go in balanced blocks (16: 8 + 8)
+#ifdef VS_BF16_DOT
+constexpr int kFullRowsBf16 = 12, kHalfRowsBf16 = 6;
+#else
 constexpr int kFullRowsBf16 = kWideRegs ? 8 : 1, kHalfRowsBf16 = 6;
+#endif
 
 // One row block of a panel pass: rows [m0, m0 + rows), halves [h0, h0 + V)
 struct PanelBlock {
@@ -606,7 +625,6 @@ __attribute__((noinline)) void panel_block_i8q(const uint8_t* xq, int64_t ld_byt
 }
 #endif
 
-#ifndef VS_BF16_DOT
 // w rows [row0, row0 + rows) as bf16 panels, written to ``dst``
 void pack_panels(const at::Tensor& w, int64_t row0, int64_t rows, uint16_t* dst) {
   const int64_t K = w.size(1), P = (rows + kPanel - 1) / kPanel;
@@ -627,6 +645,7 @@ void pack_panels(const at::Tensor& w, int64_t row0, int64_t rows, uint16_t* dst)
   });
 }
 
+#ifndef VS_BF16_DOT
 // The same for a bf16 panel over k pairs [i0, i1). Each accumulator takes the even product of
 // a pair, then the odd one, with only one of the two widened weight sets live at a time: on
 // AVX2 (16 ymm registers) a block of 6 rows then fits (12 accumulators, 2 widened, a
@@ -661,6 +680,34 @@ __attribute__((noinline)) void panel_block(const float* x, int64_t K, const uint
     for (int r = 0; r < R; ++r) {
       const vf xo = vs::set1(x[r * K + 2 * i + 1]);
       for (int v = 0; v < V; ++v) acc[r][v] = vs::fmadd(o[v], xo, acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) vs::store(acc_io[r] + 16 * (h0 + v), acc[r][v]);
+}
+#else
+// A bf16 panel over k pairs [i0, i1) with the bf16 pair dot product: a panel's k pair holds
+// 16 features' (even, odd) weights per half, exactly the operand the instruction takes, and
+// each activation row's pair is one broadcast. x: bf16 rows of stride K.
+template <int R, int V>
+__attribute__((noinline)) void panel_block_dot(const bf16* x, int64_t K, const uint16_t* panel,
+                                               int h0, int64_t i0, int64_t i1, bool first,
+                                               bool prefetch, float (*acc_io)[kPanel]) {
+  vf acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v)
+      acc[r][v] = first ? vs::zero() : vs::load(acc_io[r] + 16 * (h0 + v));
+  for (int64_t i = i0; i < i1; ++i) {
+    const uint16_t* wp = panel + i * 2 * kPanel;
+    if (prefetch) {
+      __builtin_prefetch(reinterpret_cast<const char*>(wp) + 8192);
+      __builtin_prefetch(reinterpret_cast<const char*>(wp) + 8192 + 64);
+    }
+    vs::vpair w[V];
+    for (int v = 0; v < V; ++v) w[v] = vs::load_pairs(wp + 32 * (h0 + v));
+    for (int r = 0; r < R; ++r) {
+      const vs::vpair xb = vs::broadcast_pair(x + r * K + 2 * i);
+      for (int v = 0; v < V; ++v) acc[r][v] = vs::dot_pairs(acc[r][v], w[v], xb);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -761,6 +808,26 @@ PanelKernel<uint16_t> bf16_kernel(int R) {
     default: return &panel_block<8, V>;
   }
 }
+#else
+using PanelKernelDot = void (*)(const bf16*, int64_t, const uint16_t*, int, int64_t, int64_t,
+                                bool, bool, float (*)[kPanel]);
+template <int V>
+PanelKernelDot bf16_dot_kernel(int R) {
+  switch (R) {
+    case 1: return &panel_block_dot<1, V>;
+    case 2: return &panel_block_dot<2, V>;
+    case 3: return &panel_block_dot<3, V>;
+    case 4: return &panel_block_dot<4, V>;
+    case 5: return &panel_block_dot<5, V>;
+    case 6: return &panel_block_dot<6, V>;
+    case 7: return &panel_block_dot<7, V>;
+    case 8: return &panel_block_dot<8, V>;
+    case 9: return &panel_block_dot<9, V>;
+    case 10: return &panel_block_dot<10, V>;
+    case 11: return &panel_block_dot<11, V>;
+    default: return &panel_block_dot<12, V>;
+  }
+}
 #endif
 
 // A step's activation rows as the panel kernels read them: widened to fp32, or, for int8
@@ -791,6 +858,7 @@ struct PanelInput {
   };
   std::vector<Outlier> outliers;
   std::vector<size_t> outlier_start;
+  const bf16* xb = nullptr;  // bf16 panels with the bf16 dot product: the rows as given
   bool quantized() const { return bits != 0; }
 };
 
@@ -914,6 +982,12 @@ PanelInput panel_input(int M, const bf16* x, const Panels& w) {
     return in;
   }
 #endif
+#ifdef VS_BF16_DOT
+  if (!w.int8) {
+    in.xb = x;
+    return in;
+  }
+#endif
   in.xf = widen_rows(M, x, w.K);
   return in;
 }
@@ -936,6 +1010,9 @@ void panel_rows(const PanelInput& in, const Panels& w, int64_t p0, int64_t p1, f
     PanelBlock b;
     PanelKernel<int8_t> i8;
     PanelKernel<uint16_t> b16;
+#ifdef VS_BF16_DOT
+    PanelKernelDot bd;
+#endif
 #ifdef VS_INT_DOT
     PanelKernelQ i8q;
 #endif
@@ -951,7 +1028,7 @@ void panel_rows(const PanelInput& in, const Panels& w, int64_t p0, int64_t p1, f
       if (!qdot) p.i8 = i8_kernel_for(b.rows, b.V);
     } else {
 #ifdef VS_BF16_DOT
-      TORCH_CHECK(false, "bf16 panels are the emulated builds' GEMV");
+      p.bd = b.V == 2 ? bf16_dot_kernel<2>(b.rows) : bf16_dot_kernel<1>(b.rows);
 #else
       p.b16 = b.V == 2 ? bf16_kernel<2>(b.rows) : bf16_kernel<1>(b.rows);
 #endif
@@ -991,8 +1068,13 @@ void panel_rows(const PanelInput& in, const Panels& w, int64_t p0, int64_t p1, f
         } else {
           const uint16_t* panel =
               static_cast<const uint16_t*>(w.data.data_ptr()) + p * (K / 2) * 2 * kPanel;
+#ifdef VS_BF16_DOT
+          plan[j].bd(in.xb + b.m0 * K, K, panel, b.h0, i0, i1, first, prefetch,
+                     rows_acc + b.m0);
+#else
           plan[j].b16(in.xf.data() + b.m0 * K, K, panel, b.h0, i0, i1, first, prefetch,
                       rows_acc + b.m0);
+#endif
         }
       }
     }
@@ -1648,11 +1730,7 @@ class FusedDecoder {
     qkv_size_ = (num_heads + 2 * num_kv_heads) * head_dim;
     intermediate_ = layers_[0].down_w.size(1);
     TORCH_CHECK(layers_[0].qkv_w.size(0) == qkv_size_, "qkv weight shape");
-#ifdef VS_BF16_DOT
-    const bool bf16_panels = false;  // the dot product needs none
-#else
     const bool bf16_panels = hidden_ % 2 == 0 && intermediate_ % 2 == 0 && qkv_size_ % 2 == 0;
-#endif
     if (int8_ || bf16_panels) build_panels();
     panels_ = int8_ || bf16_panels;
   }
@@ -1683,6 +1761,12 @@ class FusedDecoder {
       }
       lm_head_t_ = tile_weights(lm_head_, lm_head_s_);
       tiled_ = true;
+      if (!int8_ && packed_) {
+        // bf16 tiles take every row count the panels would (oneDNN the rest): their copy goes
+        for (auto& L : layers_) L.qkv_n = L.o_n = L.gate_n = L.up_n = L.down_n = Panels();
+        lm_head_n_ = Panels();
+        panels_ = false;
+      }
     }
 #else
     amx_gemv_ = false;
@@ -1700,7 +1784,7 @@ class FusedDecoder {
   bool amx_attention() const { return amx_attention_; }
 
   // Most rows one forward takes: the row-major dot-product kernel holds at most kMaxGemvRows;
-  // panels (emulated and AVX2 builds, int8) and oneDNN's packed GEMM take any number
+  // panels and oneDNN's packed GEMM take any number
   int64_t max_rows() const { return packed_ || panels_ ? kAnyRows : kMaxGemvRows; }
   // prompts whose packed keys and values are kept between steps (tests read it)
   int64_t kept_contexts() const { return static_cast<int64_t>(contexts_.size()); }
@@ -1904,7 +1988,8 @@ class FusedDecoder {
 
  private:
   // Every matrix's panels in one huge-page arena: int8 matrices' always (their only GEMV),
-  // bf16 ones' in the emulated builds (~ the bf16 weights' size again)
+  // bf16 ones' too (~ the bf16 weights' size again; the native build drops them where AMX
+  // tiles take their rows, set_amx_gemv)
   void build_panels() {
     struct Spec {
       Panels* out;
@@ -1925,11 +2010,7 @@ class FusedDecoder {
     auto bytes = [bits](const Spec& s) -> size_t {  // 64-byte multiples: every panel stays aligned
       const int64_t P = (s.rows + kPanel - 1) / kPanel, K = s.w->size(1);
       if (s.w->scalar_type() == at::kChar) return int8_panel_bytes(s.rows, K, bits);
-#ifdef VS_BF16_DOT
-      return 0;  // bf16 matrices: the dot product reads their rows as they are
-#else
       return P * (K / 2) * 2 * kPanel * sizeof(uint16_t);
-#endif
     };
     size_t total = 0;
     for (const Spec& s : specs) total += bytes(s);
@@ -1942,13 +2023,9 @@ class FusedDecoder {
                                               [arena](void*) {}, s.w->options());
         pack_int8_panels(*s.w, *s.scales, s.row0, s.rows, bits, data, *s.out);
       } else {
-#ifdef VS_BF16_DOT
-        continue;
-#else
         pack_panels(*s.w, s.row0, s.rows, reinterpret_cast<uint16_t*>(dst));
         s.out->data = at::from_blob(dst, {P, K / 2, 2 * kPanel}, [arena](void*) {},
                                     s.w->options());
-#endif
       }
       s.out->N = s.rows;
       s.out->K = K;
@@ -1968,8 +2045,10 @@ class FusedDecoder {
   }
 
   // int8 matrices always run their panels; bf16 ones from kPanelRows rows where built
-  static bool use_panels(int M, const Panels& panels) {
-    return panels.defined() && (panels.int8 || M >= kPanelRows);
+  bool use_panels(int M, const Panels& panels) const {
+    if (!panels.defined()) return false;
+    if (panels.int8) return true;
+    return M >= kPanelRows && (M <= gemv_max_rows_ || !packed_);
   }
 
   // Matrices run on AMX tiles where set_amx_gemv built them: int8 ones from kI8TileRows rows
@@ -2173,13 +2252,8 @@ at::Tensor tiled_matmul(const at::Tensor& x, const at::Tensor& tiles) {
 #endif
 }
 
-// y = x @ w.T through the decode GEMV's panels (emulated builds; packs w on every call):
-// exposed for tests and the GEMV benchmark
+// y = x @ w.T through the decode GEMV's bf16 panels (packs w on every call): for tests
 at::Tensor panel_matmul(const at::Tensor& x, const at::Tensor& w) {
-#ifdef VS_BF16_DOT
-  TORCH_CHECK(false, "panels are the emulated build's GEMV; this build has the bf16 dot product");
-  return x;
-#else
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "bf16 only");
   at::Tensor xc = x.contiguous(), wc = w.contiguous();
   const int M = static_cast<int>(xc.size(0));
@@ -2194,11 +2268,10 @@ at::Tensor panel_matmul(const at::Tensor& x, const at::Tensor& w) {
   bf16* yp = y.data_ptr<bf16>();
   matvec_panels(M, xc.data_ptr<bf16>(), panels, bf16_rows(yp, M, N));
   return y;
-#endif
 }
 
-// One weight packed once into the decode GEMV's panels: int8 [N, K] with fp32 scales [N] (every
-// build), or bf16 (emulated builds). forward(x bf16 [M, K]) -> fp32 [M, N], unrounded: for
+// One weight packed once into the decode GEMV's panels: int8 [N, K] with fp32 scales [N], or
+// bf16. forward(x bf16 [M, K]) -> fp32 [M, N], unrounded: for
 // tests (the kernel against x @ (q * s).T) and the GEMV benchmark, which must not time packing.
 class PanelGemv {
  public:
@@ -2222,13 +2295,9 @@ class PanelGemv {
                        panels_);
     } else {
       TORCH_CHECK(!activation_bits.has_value(), "activation_bits: int8 weights only");
-#ifdef VS_BF16_DOT
-      TORCH_CHECK(false, "bf16 panels are the emulated builds' GEMV; this build has the bf16 dot product");
-#else
       TORCH_CHECK(w.scalar_type() == at::kBFloat16 && K % 2 == 0, "w: int8, or bf16 with even K");
       panels_.data = at::empty({P, K / 2, 2 * kPanel}, w.options());
       pack_panels(w, 0, N, reinterpret_cast<uint16_t*>(panels_.data.data_ptr<bf16>()));
-#endif
     }
   }
 

@@ -496,3 +496,18 @@ def test_an_unfitted_cost_term_is_never_treated_as_free(tiny_qwen2_vl):
     )
     sched = eng.scheduler.schedule()
     assert sched.num_prefill_tokens <= 2 * eng.kv.block_size
+
+
+def test_a_calibration_is_keyed_by_the_kernels_code(tiny_qwen2_vl, monkeypatch):
+    """A cached calibration priced the kernels it ran: once their sources change (a faster
+    GEMV) it is stale, whatever else stayed the same."""
+    from engine import calibration
+    from engine import kernels as cpu_kernels
+
+    _, eng = _engine(tiny_qwen2_vl, max_num_batched_tokens=2048)
+    if not eng.platform.use_cpu_kernels:
+        pytest.skip("no CPU kernels here: nothing of theirs to key")
+    key = calibration.calibration_key(eng)
+    assert calibration.calibration_key(eng) == key
+    monkeypatch.setattr(cpu_kernels, "sources_digest", lambda variant: "other sources")
+    assert calibration.calibration_key(eng) != key
