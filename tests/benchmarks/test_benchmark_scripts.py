@@ -157,6 +157,9 @@ def test_interactive_first_script(tiny_qwen2_vl, results):
     # the chat part of each step: predicted, scaled by what such steps measured alone
     share = data["camera_share_left"]
     assert share["chat_decode_scale"] > 0 and 0 <= share["share_left"] <= 1
+    # and, without the cost model, the chat throughput the frames took
+    assert data["chat_alone"]["chat_tokens_per_s"] > 0
+    assert 0 <= data["throughput_share_left"] <= 1
 
 
 @pytest.mark.slow
