@@ -353,7 +353,8 @@ constexpr int kFullRowsQ = kWideRegs ? 4 : 2, kHalfRowsQ = 4;
 constexpr int kFullRowsQ8 = kWideRegs ? 8 : kFullRowsQ;
 // the native build's bf16 dot product keeps up to 12 rows' accumulators (24 of 32 registers,
 // the two weight vectors and a broadcast) in one block: 12 rows as one block 6.4 ms a bench
-// decoder pass against 8.7 as 6 + 6 (Zen 4); more rows go in balanced blocks (16: 8 + 8)
+// decoder pass against 8.7 as 6 + 6 (Zen 4, runs minutes apart, the one block's in the slower
+// minute: 4 rows 6.4 against 5.2 ms); more rows go in balanced blocks (16: 8 + 8)
 #ifdef VS_BF16_DOT
 constexpr int kFullRowsBf16 = 12, kHalfRowsBf16 = 6;
 #else
@@ -645,6 +646,27 @@ void pack_panels(const at::Tensor& w, int64_t row0, int64_t rows, uint16_t* dst)
   });
 }
 
+// A panel block's R x V sums in registers: zeros on a panel's first pass, else the sums so far
+template <int R, int V>
+inline void load_panel_sums(vf (&acc)[R][V], float (*acc_io)[kPanel], int h0, bool first) {
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v)
+      acc[r][v] = first ? vs::zero() : vs::load(acc_io[r] + 16 * (h0 + v));
+}
+
+template <int R, int V>
+inline void store_panel_sums(const vf (&acc)[R][V], float (*acc_io)[kPanel], int h0) {
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) vs::store(acc_io[r] + 16 * (h0 + v), acc[r][v]);
+}
+
+// both lines of a bf16 panel's k pair at ``wp``, 8 KiB ahead (4 KiB: 2 % slower at 16 rows,
+// 16 KiB: no better; emulated build, Ice Lake)
+inline void prefetch_pair_ahead(const uint16_t* wp) {
+  __builtin_prefetch(reinterpret_cast<const char*>(wp) + 8192);
+  __builtin_prefetch(reinterpret_cast<const char*>(wp) + 8192 + 64);
+}
+
 #ifndef VS_BF16_DOT
 // The same for a bf16 panel over k pairs [i0, i1). Each accumulator takes the even product of
 // a pair, then the odd one, with only one of the two widened weight sets live at a time: on
@@ -657,16 +679,10 @@ __attribute__((noinline)) void panel_block(const float* x, int64_t K, const uint
                                            int h0, int64_t i0, int64_t i1, bool first,
                                            bool prefetch, float (*acc_io)[kPanel]) {
   vf acc[R][V];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v)
-      acc[r][v] = first ? vs::zero() : vs::load(acc_io[r] + 16 * (h0 + v));
+  load_panel_sums(acc, acc_io, h0, first);
   for (int64_t i = i0; i < i1; ++i) {
     const uint16_t* wp = panel + i * 2 * kPanel;
-    // both lines of the pair 8 KiB ahead (4 KiB: 2 % slower at 16 rows, 16 KiB: no better)
-    if (prefetch) {
-      __builtin_prefetch(reinterpret_cast<const char*>(wp) + 8192);
-      __builtin_prefetch(reinterpret_cast<const char*>(wp) + 8192 + 64);
-    }
+    if (prefetch) prefetch_pair_ahead(wp);
     {
       vf e[V];
       for (int v = 0; v < V; ++v) e[v] = vs::widen_even(wp + 32 * (h0 + v));
@@ -682,8 +698,7 @@ __attribute__((noinline)) void panel_block(const float* x, int64_t K, const uint
       for (int v = 0; v < V; ++v) acc[r][v] = vs::fmadd(o[v], xo, acc[r][v]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) vs::store(acc_io[r] + 16 * (h0 + v), acc[r][v]);
+  store_panel_sums(acc, acc_io, h0);
 }
 #else
 // A bf16 panel over k pairs [i0, i1) with the bf16 pair dot product: a panel's k pair holds
@@ -694,15 +709,10 @@ __attribute__((noinline)) void panel_block_dot(const bf16* x, int64_t K, const u
                                                int h0, int64_t i0, int64_t i1, bool first,
                                                bool prefetch, float (*acc_io)[kPanel]) {
   vf acc[R][V];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v)
-      acc[r][v] = first ? vs::zero() : vs::load(acc_io[r] + 16 * (h0 + v));
+  load_panel_sums(acc, acc_io, h0, first);
   for (int64_t i = i0; i < i1; ++i) {
     const uint16_t* wp = panel + i * 2 * kPanel;
-    if (prefetch) {
-      __builtin_prefetch(reinterpret_cast<const char*>(wp) + 8192);
-      __builtin_prefetch(reinterpret_cast<const char*>(wp) + 8192 + 64);
-    }
+    if (prefetch) prefetch_pair_ahead(wp);
     vs::vpair w[V];
     for (int v = 0; v < V; ++v) w[v] = vs::load_pairs(wp + 32 * (h0 + v));
     for (int r = 0; r < R; ++r) {
@@ -710,8 +720,7 @@ __attribute__((noinline)) void panel_block_dot(const bf16* x, int64_t K, const u
       for (int v = 0; v < V; ++v) acc[r][v] = vs::dot_pairs(acc[r][v], w[v], xb);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) vs::store(acc_io[r] + 16 * (h0 + v), acc[r][v]);
+  store_panel_sums(acc, acc_io, h0);
 }
 #endif
 
