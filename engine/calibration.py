@@ -299,11 +299,16 @@ def _cpu_name() -> str:
 
 
 def _kernels_digest(variant: str | None) -> str | None:
+    """The kernel build's sources digest; None where they cannot be read (an installation that
+    ships prebuilt modules without them keys by the rest)."""
     if variant is None:
         return None
     from engine.kernels import sources_digest
 
-    return sources_digest(variant)
+    try:
+        return sources_digest(variant)
+    except OSError:
+        return None
 
 
 def calibration_key(engine: LLMEngine) -> str:
