@@ -504,10 +504,17 @@ def test_a_calibration_is_keyed_by_the_kernels_code(tiny_qwen2_vl, monkeypatch):
     from engine import calibration
     from engine import kernels as cpu_kernels
 
-    _, eng = _engine(tiny_qwen2_vl, max_num_batched_tokens=2048)
+    eng = LLM(str(tiny_qwen2_vl), dtype="bfloat16", max_num_batched_tokens=2048).engine
     if not eng.platform.use_cpu_kernels:
         pytest.skip("no CPU kernels here: nothing of theirs to key")
     key = calibration.calibration_key(eng)
     assert calibration.calibration_key(eng) == key
     monkeypatch.setattr(cpu_kernels, "sources_digest", lambda variant: "other sources")
     assert calibration.calibration_key(eng) != key
+
+    def unreadable(variant: str) -> str:
+        raise FileNotFoundError("cpu_decode.cpp")
+
+    # an installation without the sources (prebuilt modules only) still starts
+    monkeypatch.setattr(cpu_kernels, "sources_digest", unreadable)
+    assert calibration.calibration_key(eng) not in (key, None)
