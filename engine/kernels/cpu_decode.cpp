@@ -803,41 +803,31 @@ PanelKernelQ q_kernel_for_bits(int bits, int64_t group, int R, int V) {
 }
 #endif
 
-#ifndef VS_BF16_DOT
-template <int V>
-PanelKernel<uint16_t> bf16_kernel(int R) {
-  switch (R) {
-    case 1: return &panel_block<1, V>;
-    case 2: return &panel_block<2, V>;
-    case 3: return &panel_block<3, V>;
-    case 4: return &panel_block<4, V>;
-    case 5: return &panel_block<5, V>;
-    case 6: return &panel_block<6, V>;
-    case 7: return &panel_block<7, V>;
-    default: return &panel_block<8, V>;
-  }
-}
+// The bf16 panel kernel of this build: activations widened to fp32 (emulated builds) or the
+// rows as given, bf16 (the native build's pair dot product)
+#ifdef VS_BF16_DOT
+using Bf16PanelAct = bf16;
+template <int R, int V>
+constexpr auto kBf16PanelBlock = &panel_block_dot<R, V>;
 #else
-using PanelKernelDot = void (*)(const bf16*, int64_t, const uint16_t*, int, int64_t, int64_t,
-                                bool, bool, float (*)[kPanel]);
-template <int V>
-PanelKernelDot bf16_dot_kernel(int R) {
-  switch (R) {
-    case 1: return &panel_block_dot<1, V>;
-    case 2: return &panel_block_dot<2, V>;
-    case 3: return &panel_block_dot<3, V>;
-    case 4: return &panel_block_dot<4, V>;
-    case 5: return &panel_block_dot<5, V>;
-    case 6: return &panel_block_dot<6, V>;
-    case 7: return &panel_block_dot<7, V>;
-    case 8: return &panel_block_dot<8, V>;
-    case 9: return &panel_block_dot<9, V>;
-    case 10: return &panel_block_dot<10, V>;
-    case 11: return &panel_block_dot<11, V>;
-    default: return &panel_block_dot<12, V>;
+using Bf16PanelAct = float;
+template <int R, int V>
+constexpr auto kBf16PanelBlock = &panel_block<R, V>;
+#endif
+using Bf16PanelKernel = void (*)(const Bf16PanelAct*, int64_t, const uint16_t*, int, int64_t,
+                                 int64_t, bool, bool, float (*)[kPanel]);
+// the most rows panel_blocks puts in one bf16 block: only these kernels are instantiated
+constexpr int kMaxBf16BlockRows = std::max(kFullRowsBf16, kHalfRowsBf16);
+
+// the kernel for a block of ``rows`` rows (1 <= rows <= kMaxBf16BlockRows), V halves
+template <int V, int R = 1>
+Bf16PanelKernel bf16_kernel(int rows) {
+  if constexpr (R == kMaxBf16BlockRows) {
+    return kBf16PanelBlock<R, V>;
+  } else {
+    return rows <= R ? kBf16PanelBlock<R, V> : bf16_kernel<V, R + 1>(rows);
   }
 }
-#endif
 
 // A step's activation rows as the panel kernels read them: widened to fp32, or, for int8
 // panels in builds with an integer dot product D, rounded to D::act_t with one fp32 scale per
@@ -1001,6 +991,15 @@ PanelInput panel_input(int M, const bf16* x, const Panels& w) {
   return in;
 }
 
+// the bf16 panel kernels' activation rows in ``in`` (see panel_input)
+inline const Bf16PanelAct* bf16_panel_rows(const PanelInput& in) {
+#ifdef VS_BF16_DOT
+  return in.xb;
+#else
+  return in.xf.data();
+#endif
+}
+
 // acc[m][n - n0] for the features of panels [p0, p1) (n0 = 32 p0), all rows of ``in``;
 // int8 panels apply their scales here, so every epilogue sees the product itself
 void panel_rows(const PanelInput& in, const Panels& w, int64_t p0, int64_t p1, float* acc,
@@ -1018,10 +1017,7 @@ void panel_rows(const PanelInput& in, const Panels& w, int64_t p0, int64_t p1, f
   struct Planned {
     PanelBlock b;
     PanelKernel<int8_t> i8;
-    PanelKernel<uint16_t> b16;
-#ifdef VS_BF16_DOT
-    PanelKernelDot bd;
-#endif
+    Bf16PanelKernel b16;
 #ifdef VS_INT_DOT
     PanelKernelQ i8q;
 #endif
@@ -1036,11 +1032,7 @@ void panel_rows(const PanelInput& in, const Panels& w, int64_t p0, int64_t p1, f
 #endif
       if (!qdot) p.i8 = i8_kernel_for(b.rows, b.V);
     } else {
-#ifdef VS_BF16_DOT
-      p.bd = b.V == 2 ? bf16_dot_kernel<2>(b.rows) : bf16_dot_kernel<1>(b.rows);
-#else
       p.b16 = b.V == 2 ? bf16_kernel<2>(b.rows) : bf16_kernel<1>(b.rows);
-#endif
     }
     plan.push_back(p);
   }
@@ -1077,13 +1069,8 @@ void panel_rows(const PanelInput& in, const Panels& w, int64_t p0, int64_t p1, f
         } else {
           const uint16_t* panel =
               static_cast<const uint16_t*>(w.data.data_ptr()) + p * (K / 2) * 2 * kPanel;
-#ifdef VS_BF16_DOT
-          plan[j].bd(in.xb + b.m0 * K, K, panel, b.h0, i0, i1, first, prefetch,
-                     rows_acc + b.m0);
-#else
-          plan[j].b16(in.xf.data() + b.m0 * K, K, panel, b.h0, i0, i1, first, prefetch,
+          plan[j].b16(bf16_panel_rows(in) + b.m0 * K, K, panel, b.h0, i0, i1, first, prefetch,
                       rows_acc + b.m0);
-#endif
         }
       }
     }
