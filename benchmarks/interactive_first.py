@@ -338,7 +338,8 @@ def main() -> None:
     tps_alone = statistics.mean(
         res[k]["chat_tokens_per_s"] for k in ("chat_alone", "chat_alone_after")
     )
-    tps_share = max(0.0, 1 - res["frames_under_chat"]["chat_tokens_per_s"] / tps_alone)
+    loaded_tps = res["frames_under_chat"]["chat_tokens_per_s"]
+    tps_share = max(0.0, 1 - loaded_tps / tps_alone) if tps_alone else 0.0
     res["throughput_share_left"] = tps_share
     res["throughput_camera_efficiency"] = (
         loaded_fpm / (alone_fpm * tps_share) if tps_share else None
