@@ -8,10 +8,10 @@
 // Every traits header defines, in namespace vs: the logical vector vf of 16 fp32 lanes (in as
 // many registers as the ISA needs) and kVecRegs, how many of them the register file holds;
 // loads/stores of fp32 and bf16 with a tail count; add/sub/mul/div/max, fmadd/fmsub/fnmadd;
-// reduce_add/reduce_max and hsum16; round_nearest, scale_pow2, any_gt, keep_first; bf16
-// rounding (to_bf16, round_bf16); int8 widening to fp32 (load_i8, 16 bytes with a tail count);
-// vpair (32 bf16 as 16 pairs) with load_pairs and widen_pairs (widen_even/widen_odd: one
-// half, from memory). Optionally VS_BF16_DOT with
+// reduce_add/reduce_max and hsum16; round_nearest, scale_pow2, any_gt, count_gt,
+// zero_unless_le, keep_first; bf16 rounding (to_bf16, round_bf16); int8 widening to fp32
+// (load_i8, 16 bytes with a tail count); vpair (32 bf16 as 16 pairs) with load_pairs and
+// widen_pairs (widen_even/widen_odd: one half, from memory). Optionally VS_BF16_DOT with
 // dot_pairs/broadcast_pair, and VS_INT_DOT: the integer dot products the int8 panels take, as
 // structs (AVX2: S8Dot, int8 quads through vpmaddubsw; AVX512-VNNI: I16Dot, int16 pairs through
 // vpdpwssd, and U8Dot, int8 quads offset to unsigned through vpdpbusd), each with kBits, kGroup

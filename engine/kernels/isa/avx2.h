@@ -100,6 +100,16 @@ inline bool any_gt(vf v, float x) {
   return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(v.lo, t, _CMP_GT_OQ),
                                          _mm256_cmp_ps(v.hi, t, _CMP_GT_OQ))) != 0;
 }
+inline int count_gt(vf v, float x) {
+  const __m256 t = _mm256_set1_ps(x);
+  return __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(v.lo, t, _CMP_GT_OQ))) +
+         __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(v.hi, t, _CMP_GT_OQ)));
+}
+inline vf zero_unless_le(vf v, float x) {
+  const __m256 t = _mm256_set1_ps(x);
+  return {_mm256_and_ps(v.lo, _mm256_cmp_ps(v.lo, t, _CMP_LE_OQ)),
+          _mm256_and_ps(v.hi, _mm256_cmp_ps(v.hi, t, _CMP_LE_OQ))};
+}
 inline vf keep_first(vf v, int64_t n, float fill) {
   const __m256 f = _mm256_set1_ps(fill);
   return {_mm256_blendv_ps(f, v.lo, _mm256_castsi256_ps(lanes8(n))),

@@ -48,6 +48,10 @@ inline vf round_nearest(vf x) {
 inline vf scale_pow2(vf p, vf n) { return _mm512_scalef_ps(p, n); }
 // any lane of v above x
 inline bool any_gt(vf v, float x) { return _mm512_cmp_ps_mask(v, set1(x), _CMP_GT_OQ) != 0; }
+// how many lanes of v are above x
+inline int count_gt(vf v, float x) { return __builtin_popcount(_mm512_cmp_ps_mask(v, set1(x), _CMP_GT_OQ)); }
+// v with the lanes not at most x (above it, or NaN) set to 0
+inline vf zero_unless_le(vf v, float x) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, set1(x), _CMP_LE_OQ), v); }
 // lanes [0, n) of v, ``fill`` in the others
 inline vf keep_first(vf v, int64_t n, float fill) { return _mm512_mask_mov_ps(set1(fill), lanes(n), v); }
 
