@@ -21,6 +21,7 @@ from engine.device import (
 )
 from engine.encoder_cache import EncoderCacheManager
 from engine.errors import InvalidRequestError, PromptTooLongError, QueueFullError
+from engine.host_memory import resident_mib, trim_heap
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.model_source import model_display_name
@@ -89,10 +90,17 @@ class LLMEngine:
             gemv_max_rows=self.platform.gemv_max_rows,
             weight_prefetch_bytes=self.platform.weight_prefetch_bytes,
             gemv_amx_tiles=self.platform.gemv_amx_tiles,
+            gemv_row_major=self.platform.gemv_row_major,
             amx_attention=self.platform.amx_attention,
             decode_graphs=self.platform.decode_graphs,
             max_num_seqs=args.max_num_seqs,
             max_model_len=self.max_model_len,
+        )
+        before, released = resident_mib(), trim_heap()
+        log.info(
+            "host memory after load: %.0f MiB resident (%s)",
+            resident_mib(),
+            f"{before - resident_mib():.0f} MiB of freed heap returned" if released else "no trim",
         )
         # raised by a front end on another thread when it queues a chat request; lowered by
         # its step loop before it takes queued requests in (engine/step_interrupt.py)

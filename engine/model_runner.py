@@ -57,6 +57,7 @@ class ModelRunner:
         gemv_max_rows: int = 4,
         weight_prefetch_bytes: int = 0,
         gemv_amx_tiles: bool = False,
+        gemv_row_major: bool = True,
         amx_attention: bool = False,
         decode_graphs: str = "off",
         max_num_seqs: int = 1,
@@ -69,6 +70,7 @@ class ModelRunner:
         self.gemv_max_rows = gemv_max_rows
         self.weight_prefetch_bytes = weight_prefetch_bytes
         self.gemv_amx_tiles = gemv_amx_tiles
+        self.gemv_row_major = gemv_row_major
         self.amx_attention = amx_attention  # prompt chunks' attention in the fused kernel too
         # raised by the engine's front end when a chat request is queued: interruptible steps
         # stop at their next safe point (None: no step ever stops early)
@@ -201,6 +203,11 @@ class ModelRunner:
             return None
         if self.gemv_amx_tiles and not decoder.set_amx_gemv(True):
             log.warning("AMX GEMV asked for but unavailable (OS or build): dot products")
+        if not self.gemv_row_major and getattr(decoder, "drop_row_major", lambda: False)():
+            # the decoder's copy was the last but ours: the model loader left the row-major
+            # matrices on ordinary pages apart from the small tensors (engine/models)
+            self.model.decode_kernel_weights_hp = None
+            log.info("fused decoder: 1-row steps on the GEMV panels, row-major weights freed")
         if self.amx_attention and not decoder.set_amx_attention(True):
             log.warning("AMX attention asked for but unavailable (OS or build): dot products")
         # older builds have no max_rows(): the row-major kernel's limit

@@ -115,6 +115,18 @@ def native_gemv_tuning(vendor: str, family: int) -> tuple[int, int]:
     return GEMV_ROWS_DEFAULT, 0
 
 
+def gemv_row_major_needed(prefetch_bytes: int, amx_tiles: bool) -> bool:
+    """Whether the native build keeps the decoder's row-major bf16 copy, a third of the
+    weight memory it holds (row-major, panels, oneDNN's packing: 3 GB each on a 2B-class
+    decoder). Its only reader is the 1-row dot-product GEMV; the panels run 1-row steps as
+    fast where that kernel relies on the hardware prefetcher alone (Zen 4, ``python -m
+    benchmarks.load_memory``: batch-1 ``bench`` decode steps, both engines in one process in
+    turns, 8 rounds, 5.74 against 5.58 ms and 6.81 against 6.69 in two runs; 190 MiB less
+    resident). Kept where its weight prefetch was tuned against the hardware's (Intel, Zen 5:
+    not re-measured against panels) and on AMX, whose tiles are laid out from it."""
+    return prefetch_bytes > 0 or amx_tiles
+
+
 @dataclass(frozen=True)
 class PlatformPlan:
     """What this engine runs on and how; read-only after start."""
@@ -132,11 +144,16 @@ class PlatformPlan:
     vision_dtype: torch.dtype
     encoder_rows_per_item: int | None  # None: whole encoder stages per item
     fused_prompt_rows: int  # most rows of a step with prompt tokens in the fused kernel
-    # the fused kernel's own GEMV (native build: row-major at 1 row, bf16 panels from 2): most
-    # rows it takes before oneDNN's packed GEMM, and how far ahead the row-major kernel asks for
-    # weights (0: the hardware prefetcher alone)
+    # the fused kernel's own GEMV (native build: bf16 panels from 2 rows, or from 1, see
+    # gemv_row_major): most rows it takes before oneDNN's packed GEMM, and how far ahead the
+    # row-major kernel asks for weights (0: the hardware prefetcher alone)
     gemv_max_rows: int = GEMV_ROWS_DEFAULT
     weight_prefetch_bytes: int = 0
+    # the native build keeps a row-major copy of the decoder's bf16 matrices for its 1-row
+    # GEMV (beside the panels and oneDNN's packing): only where that kernel's tuned prefetch
+    # was measured or AMX tiles are laid out from it. Elsewhere the panels take 1-row steps too
+    # and the copy is let go (see gemv_row_major_needed)
+    gemv_row_major: bool = True
     # that GEMV on AMX tiles (engine/kernels/amx_gemv.h) rather than AVX512-BF16 dot products;
     # int8 matrices from 5 rows on AMX-INT8 tiles rather than their panels
     gemv_amx_tiles: bool = False
@@ -189,6 +206,7 @@ class PlatformPlan:
             f"encoder_rows_per_item={self.encoder_rows_per_item or 'whole'} "
             f"fused_prompt_rows={self.fused_prompt_rows} gemv_max_rows={self.gemv_max_rows} "
             f"weight_prefetch={self.weight_prefetch_bytes} "
+            f"gemv_1_row={'row-major' if self.gemv_row_major else 'panels'} "
             f"gemv={'amx-tiles' if self.gemv_amx_tiles else 'dot'} "
             f"prefill_attention={self.prefill_attention} decode_graphs={self.decode_graphs}"
             + ("" if self.quantization != "int8" else f" int8_act_bits={self.int8_activation_bits}")
@@ -294,6 +312,12 @@ def plan_platform(
     # on their panels): the bench decoder's matrices at 8 rows 9.4-10.2 ms a pass against
     # 10.7-11.4, 16 rows 13.8-14.7 against 18.3-18.5 (2-core AMX Xeon, in turns)
     gemv_tiles = amx_attention and quantization in (None, "int8")
+    native_bf16_packed = (
+        bool(use_kernels)
+        and quantization is None
+        and variant == "native-bf16"
+        and linear_kind == "onednn-packed"
+    )
     return PlatformPlan(
         device=device,
         dtype=dtype,
@@ -316,6 +340,8 @@ def plan_platform(
         ),
         gemv_max_rows=gemv_rows,
         weight_prefetch_bytes=prefetch_bytes,
+        gemv_row_major=not native_bf16_packed
+        or gemv_row_major_needed(prefetch_bytes, bool(gemv_tiles)),
         gemv_amx_tiles=bool(gemv_tiles),
         torch_flash_attention=torch_flash,
         amx_attention=amx_attention,

@@ -321,7 +321,9 @@ constexpr bool kWideRegs = vs::kVecRegs >= 32;
 // steps with both builds in turns (the bf16 side of benchmarks/int8.py, three pairs) read 1 row
 // the same and 2 rows 6-16 % slower with panels from 1 row: 4 stays. Native build (Zen 4, the
 // same GEMV benchmark): 1 row 5.5 against 5.4 ms row-major, 2 rows 5.3 against 5.6, so panels
-// from 2 rows; 1-row steps keep the row-major kernel and its tuned weight prefetch
+// from 2 rows; 1-row steps keep the row-major kernel and its tuned weight prefetch, unless the
+// plan lets that copy go (FusedDecoder::drop_row_major: panels from 1 row, a second set of
+// sums for the lone row; Zen 4, engine decode steps at batch 1 in turns, level within 3 %)
 #ifdef VS_BF16_DOT
 constexpr int kPanelRows = 2;
 #else
@@ -708,18 +710,34 @@ template <int R, int V>
 __attribute__((noinline)) void panel_block_dot(const bf16* x, int64_t K, const uint16_t* panel,
                                                int h0, int64_t i0, int64_t i1, bool first,
                                                bool prefetch, float (*acc_io)[kPanel]) {
-  vf acc[R][V];
+  // one row: a second set of sums takes every other k pair, so that V chains do not wait on
+  // the dot product's latency alone
+  constexpr int S = R == 1 ? 2 : 1;
+  vf acc[R][V], more[S > 1 ? R : 1][V];
   load_panel_sums(acc, acc_io, h0, first);
-  for (int64_t i = i0; i < i1; ++i) {
+  for (int r = 0; r < (S > 1 ? R : 1); ++r)
+    for (int v = 0; v < V; ++v) more[r][v] = vs::zero();
+  auto step = [&](int64_t i, vf (&sums)[R][V]) {
     const uint16_t* wp = panel + i * 2 * kPanel;
     if (prefetch) prefetch_pair_ahead(wp);
     vs::vpair w[V];
     for (int v = 0; v < V; ++v) w[v] = vs::load_pairs(wp + 32 * (h0 + v));
     for (int r = 0; r < R; ++r) {
       const vs::vpair xb = vs::broadcast_pair(x + r * K + 2 * i);
-      for (int v = 0; v < V; ++v) acc[r][v] = vs::dot_pairs(acc[r][v], w[v], xb);
+      for (int v = 0; v < V; ++v) sums[r][v] = vs::dot_pairs(sums[r][v], w[v], xb);
+    }
+  };
+  int64_t i = i0;
+  if constexpr (S > 1) {
+    for (; i + 1 < i1; i += 2) {
+      step(i, acc);
+      step(i + 1, more);
     }
   }
+  for (; i < i1; ++i) step(i, acc);
+  if constexpr (S > 1)
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) acc[r][v] = vs::add(acc[r][v], more[r][v]);
   store_panel_sums(acc, acc_io, h0);
 }
 #endif
@@ -1740,6 +1758,7 @@ class FusedDecoder {
     TORCH_CHECK(!(int8_ && packed_), "int8 weights are not oneDNN-packed");
     TORCH_CHECK(!layers_.empty(), "no layers");
     hidden_ = lm_head_.size(1);
+    vocab_ = lm_head_.size(0);
     qkv_size_ = (num_heads + 2 * num_kv_heads) * head_dim;
     intermediate_ = layers_[0].down_w.size(1);
     TORCH_CHECK(layers_[0].qkv_w.size(0) == qkv_size_, "qkv weight shape");
@@ -1763,7 +1782,9 @@ class FusedDecoder {
   // row-major ones stay (the eager path reads them), and so do int8 panels (fewer rows).
   bool set_amx_gemv(bool enable) {
 #ifdef VS_BF16_DOT
-    amx_gemv_ = enable && (int8_ ? amx::amx_int8_usable() : amx::amx_usable());
+    // the tiles are laid out from the row-major weights: none once those are gone
+    amx_gemv_ = enable && (int8_ || row_major_) &&
+                (int8_ ? amx::amx_int8_usable() : amx::amx_usable());
     if (amx_gemv_ && !tiled_) {
       for (auto& L : layers_) {
         L.qkv_t = tile_weights(L.qkv_w, L.qkv_s), L.o_t = tile_weights(L.o_w, L.o_s);
@@ -1787,6 +1808,26 @@ class FusedDecoder {
     return amx_gemv_;
   }
   bool amx_gemv() const { return amx_gemv_; }
+
+  // Lets the row-major bf16 matrices go; the panels take every row count up to the GEMV's
+  // limit, 1-row steps included. The native build otherwise holds the decoder's weights three
+  // times: row-major (the 1-row dot-product GEMV), panels (2 rows up) and oneDNN's packing
+  // (steps past the GEMV's rows); on a 2B-class decoder the row-major copy is 3 GB. The
+  // platform plan asks for it where the row-major kernel has no tuned weight prefetch (Zen 4:
+  // panels at 1 row ran level with it, see kPanelRows). Only where every matrix has bf16
+  // panels and oneDNN's packing, and not on AMX tiles (laid out from the row-major copy).
+  // The caller drops its own references too: the copy is freed when the last one goes.
+  // Returns whether the copy is gone.
+  bool drop_row_major() {
+    if (!row_major_) return true;
+    if (int8_ || !panels_ || !packed_ || tiled_) return false;
+    for (auto& L : layers_) L.qkv_w = L.o_w = L.gate_up_w = L.down_w = at::Tensor();
+    lm_head_ = at::Tensor();
+    panel_min_rows_ = 1;
+    row_major_ = false;
+    return true;
+  }
+  bool row_major() const { return row_major_; }
 
   // Prompt chunks' attention on AMX tiles (amx_attention.h) instead of the dot product: the
   // platform plan asks for it on AMX CPUs. Returns whether it is on (never without AMX).
@@ -1974,7 +2015,7 @@ class FusedDecoder {
 
     evict_contexts();
     norm_rows(final_norm_.data_ptr<bf16>());
-    const int64_t V = lm_head_.size(0);
+    const int64_t V = vocab_;
     at::Tensor head_in = h_t;
     if (logit_rows.has_value()) {
       const at::Tensor rows = logit_rows->to(at::kLong).contiguous();
@@ -2061,7 +2102,7 @@ class FusedDecoder {
   bool use_panels(int M, const Panels& panels) const {
     if (!panels.defined()) return false;
     if (panels.int8) return true;
-    return M >= kPanelRows && (M <= gemv_max_rows_ || !packed_);
+    return M >= panel_min_rows_ && (M <= gemv_max_rows_ || !packed_);
   }
 
   // Matrices run on AMX tiles where set_amx_gemv built them: int8 ones from kI8TileRows rows
@@ -2084,8 +2125,9 @@ class FusedDecoder {
   void linear(int M, const at::Tensor& x, const at::Tensor& w, const at::Tensor& packed,
               const Panels& panels, const TiledWeights& tiles, int64_t N,
               Epilogue epilogue) const {
-    const int64_t K = w.size(1);
-    TORCH_CHECK(x.size(1) == K && x.is_contiguous(), "linear input shape");
+    const int64_t K = x.size(1);
+    TORCH_CHECK(K == (w.defined() ? w.size(1) : panels.K) && x.is_contiguous(),
+                "linear input shape");
     if (use_panels(M, panels) && !use_tiles(M, tiles)) {
       matvec_panels(M, x.data_ptr<bf16>(), panels, epilogue);
       return;
@@ -2098,8 +2140,10 @@ class FusedDecoder {
 #else
     (void)tiles;
 #endif
-    TORCH_CHECK(w.scalar_type() == at::kBFloat16, "int8 weights without their panels");
+    TORCH_CHECK(!w.defined() || w.scalar_type() == at::kBFloat16,
+                "int8 weights without their panels");
     if (M <= gemv_max_rows_ || !packed.defined()) {
+      TORCH_CHECK(w.defined(), "the row-major weights were dropped (drop_row_major)");
       matvec(M, x.data_ptr<bf16>(), w, N, epilogue, weight_prefetch_);
       return;
     }
@@ -2153,6 +2197,9 @@ class FusedDecoder {
   bool packed_ = false;
   bool int8_ = false;  // int8 decoder matrices and lm_head (panels only)
   bool panels_ = false;  // every matrix also as panels: steps of any row count
+  bool row_major_ = true;  // the bf16 matrices' row-major copy is held (drop_row_major)
+  int panel_min_rows_ = kPanelRows;  // fewest rows that take the bf16 panels
+  int64_t vocab_ = 0;
   int64_t num_heads_, num_kv_heads_, head_dim_, hidden_ = 0, qkv_size_ = 0, intermediate_ = 0;
   float eps_;
 
@@ -2446,6 +2493,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_weight_prefetch", &FusedDecoder::set_weight_prefetch, pybind11::arg("bytes"))
       .def("set_amx_gemv", &FusedDecoder::set_amx_gemv, pybind11::arg("enable"))
       .def_property_readonly("amx_gemv", &FusedDecoder::amx_gemv)
+      .def("drop_row_major", &FusedDecoder::drop_row_major)
+      .def_property_readonly("row_major", &FusedDecoder::row_major)
       .def("set_amx_attention", &FusedDecoder::set_amx_attention, pybind11::arg("enable"))
       .def_property_readonly("amx_attention", &FusedDecoder::amx_attention)
       .def("weight_prefetch", &FusedDecoder::weight_prefetch)

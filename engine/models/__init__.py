@@ -98,12 +98,16 @@ def load_model(
     if kernels is not None:
         if plan.quantization is None:  # before packing: the kernel reads plain row-major weights
             params = model.decode_kernel_params()
-            hp = kernels.copy_to_huge_pages([p.detach() for p in params])
             # the eager path reads the same copy: one set of weights in memory, not two
-            # (the emulated build's fused decoder adds its GEMV panels, about as much again)
-            for param, copy in zip(params, hp, strict=True):
+            # (the emulated build's fused decoder adds its GEMV panels, about as much again).
+            # Where the fused decoder lets its row-major matrices go (plan.gemv_row_major),
+            # only the small tensors move: the huge pages are one arena, freed with the last
+            # tensor in it, and the eager path keeps the norms
+            moved = [p for p in params if plan.gemv_row_major or p.dim() < 2]
+            hp = kernels.copy_to_huge_pages([p.detach() for p in moved])
+            for param, copy in zip(moved, hp, strict=True):
                 param.data = copy
-            model.decode_kernel_weights_hp = hp
+            model.decode_kernel_weights_hp = [p.detach() for p in params]
         model.set_cpu_kernels(kernels)
         log.info("native CPU kernels on (decoder weights on huge pages)")
     if plan.cpu_linears and (model.cpu_kernels is not None or plan.emulated_bf16):

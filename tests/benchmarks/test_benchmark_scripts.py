@@ -218,6 +218,21 @@ def test_int8_script(tiny_qwen2_vl, results):
 
 
 @pytest.mark.slow
+def test_load_memory_script(tiny_qwen2_vl, results):
+    _run(
+        "benchmarks.load_memory",
+        "--model", str(tiny_qwen2_vl), "--rounds", "2", "--steps", "3",
+        results=results,
+    )  # fmt: skip
+    data = json.loads((results / "load_memory.json").read_text())
+    kept, plan = data["summary"]["row-major kept"], data["summary"]["plan"]
+    assert kept["row_major_held"] in (True, None)  # None: no fused decoder on this CPU
+    assert plan["row_major_held"] in (True, False, None)
+    assert kept["resident_mib"] > 0 and len(plan["decode_step_ms_b1_rounds"]) == 2
+    assert "gemv_1_row=" in data["plan"]
+
+
+@pytest.mark.slow
 def test_gemv_script(results):
     from engine.kernels import load_cpu_decode
 

@@ -422,10 +422,14 @@ def test_fused_decode_logits_match_eager(tiny_checkpoint) -> None:
     _assert_pairs_agree(pairs)
 
 
-def test_the_native_weight_prefetch_changes_no_number(tiny_checkpoint) -> None:
+def test_the_native_weight_prefetch_changes_no_number(tiny_checkpoint, monkeypatch) -> None:
     """The native GEMV's software prefetch (the plan's ``weight_prefetch_bytes``) only asks
     for memory early: logits bit for bit equal with it off and at any distance. The distance
-    is each decoder's own: a second engine in the process leaves the first one's alone."""
+    is each decoder's own: a second engine in the process leaves the first one's alone. (The
+    row-major kernel it serves is kept here whatever the plan says of this CPU.)"""
+    import engine.platform as platform
+
+    monkeypatch.setattr(platform, "gemv_row_major_needed", lambda prefetch, amx: True)
     llm = LLM(model=str(tiny_checkpoint), dtype="bfloat16", block_size=4, max_num_seqs=4)
     runner = llm.engine.runner
     if not getattr(kernels, "bf16_dot", False):
@@ -482,6 +486,57 @@ def test_the_amx_gemv_agrees_with_the_dot_product(tiny_checkpoint) -> None:
         torch.testing.assert_close(tiled, dot, rtol=0.05, atol=0.05 * dot.abs().max().item())
         assert (tiled.argmax(-1) == dot.argmax(-1)).float().mean() >= 0.9
     assert decoder.set_amx_gemv(True) and decoder.amx_gemv
+
+
+def test_the_row_major_copy_goes_where_the_panels_take_one_row(tiny_checkpoint, monkeypatch):
+    """The native build may let its row-major bf16 matrices go (a third of the weight memory
+    it holds): every call of a run replayed afterwards gives the same logits -- bit for bit
+    from 2 rows (the panels and oneDNN ran them before too), up to summation order at 1 row
+    (the panels' sums against the row-major kernel's; the emulated builds, which drop it only
+    where oneDNN packs bf16, up to more rows). The plan asks for it where the
+    row-major kernel has no tuned prefetch and no AMX tiles read it; the decoder refuses where
+    panels or oneDNN's packing are missing, and AMX tiles once the copy is gone."""
+    import engine.platform as platform
+
+    assert not platform.gemv_row_major_needed(0, False)
+    assert platform.gemv_row_major_needed(4096, False) and platform.gemv_row_major_needed(0, True)
+    planned = LLM(model=str(tiny_checkpoint), dtype="bfloat16", block_size=4, max_num_seqs=2)
+    plan = planned.engine.platform
+    held = planned.engine.runner.fused_decoder.row_major
+    assert held == plan.gemv_row_major or not getattr(kernels, "bf16_dot", False)
+    if not held:  # the model let its references go with the decoder's
+        assert planned.engine.model.decode_kernel_weights_hp is None
+    del planned
+
+    monkeypatch.setattr(platform, "gemv_row_major_needed", lambda prefetch, amx: True)
+    llm = LLM(model=str(tiny_checkpoint), dtype="bfloat16", block_size=4, max_num_seqs=20)
+    runner = llm.engine.runner
+    decoder = runner.fused_decoder
+    assert decoder.row_major
+    native = getattr(kernels, "bf16_dot", False)
+    if runner.fused_gemv_rows == 0 or decoder.amx_gemv:
+        assert not decoder.drop_row_major() and decoder.row_major
+        pytest.skip("the row-major copy stays: no oneDNN packing (emulated bf16), or AMX tiles")
+    recorder = _RecordingDecoder(decoder)
+    runner.fused_decoder = recorder
+    convs = [text_conv("hello " * (i + 3)) for i in range(20)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.chat(convs[:1], params)
+    llm.chat(convs[:3], params)
+    llm.chat(convs, params)  # past the GEMV's rows: oneDNN's packing
+    rows = {args[0].shape[0] for args, _, _ in recorder.calls}
+    assert {1, 3, 20} <= rows, rows
+    assert decoder.drop_row_major() and not decoder.row_major
+    assert decoder.drop_row_major(), "dropping twice is no error"
+    assert not decoder.set_amx_gemv(True), "AMX tiles are laid out from the row-major copy"
+    for args, kwargs, before in recorder.calls:
+        after = decoder.forward(*args, **kwargs)
+        if args[0].shape[0] > 1 and native:  # emulated builds' panels start at more rows
+            assert torch.equal(after, before)
+        else:
+            scale = before.abs().max().item()
+            assert (after - before).abs().max().item() <= 0.02 * scale
+            assert torch.equal(after.argmax(-1), before.argmax(-1))
 
 
 @pytest.mark.parametrize("rows", [3, 5, 12, 48, 300])
