@@ -11,11 +11,15 @@ medians are compared. The platform plan (``engine/platform.py``) prefetches 4 Ki
 Intel and Zen 5 native-bf16 builds and not at all elsewhere, and sends up to 16 rows (Intel),
 12 (Zen 5) or 4 to the GEMV; run
 this on a new CPU class to check those choices (``--gemv-rows 4 16``: each limit rebuilds the
-fused decoder, which shares the engine's weights).
+fused decoder, which shares the engine's weights). Kind ``panels`` runs 1-row steps on the
+bf16 panels too, with the decoder's row-major copy let go (``FusedDecoder.drop_row_major``; the
+plan does so where ``gemv_row_major_needed`` says, plan line ``gemv_1_row``): against ``dot``
+it says whether a CPU class needs that copy. The engine is loaded with the copy kept, whatever
+the plan, so that every kind can run.
 The emulated builds prefetch by compilation and are not affected (the script says so).
 
     python -m benchmarks.weight_prefetch [--batches 1 4 8] [--distances 0 2048 4096 8192]
-        [--gemv-rows 4 16] [--kinds dot amx-tiles]
+        [--gemv-rows 4 16] [--kinds dot panels amx-tiles]
 """
 
 from __future__ import annotations
@@ -54,22 +58,28 @@ def main() -> None:
         help="GEMV row limits to try (default: the plan's only)",
     )  # fmt: skip
     ap.add_argument(
-        "--kinds", nargs="+", choices=["dot", "amx-tiles"], default=None,
-        help="GEMV kinds to try (default: both where AMX runs, else dot)",
+        "--kinds", nargs="+", choices=["dot", "panels", "amx-tiles"], default=None,
+        help="GEMV kinds to try (default: dot and panels, and amx-tiles where AMX runs)",
     )  # fmt: skip
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=48, help="decode steps per measurement")
     ap.add_argument("--out", default="weight_prefetch.json")
     args = ap.parse_args()
 
+    import engine.platform as platform
     from engine.config import EngineArgs
     from engine.kernels import load_cpu_decode
     from engine.llm_engine import LLMEngine
 
     kernels = load_cpu_decode()
-    engine = LLMEngine(
-        EngineArgs(model=str(bench_checkpoint(args.family, args.model)), dtype=args.dtype)
-    )
+    row_major_needed = platform.gemv_row_major_needed
+    platform.gemv_row_major_needed = lambda prefetch_bytes, amx_tiles: True  # every kind runs
+    try:
+        engine = LLMEngine(
+            EngineArgs(model=str(bench_checkpoint(args.family, args.model)), dtype=args.dtype)
+        )
+    finally:
+        platform.gemv_row_major_needed = row_major_needed
     if kernels is None or not kernels.bf16_dot or engine.runner.fused_decoder is None:
         log("no native-bf16 fused decoder on this machine: its prefetch is compiled in or absent")
         save_json(args.out, {"skipped": True, "args": vars(args)})
@@ -78,17 +88,23 @@ def main() -> None:
     plan_distance, plan_rows = runner.weight_prefetch_bytes, runner.gemv_max_rows
     plan_tiles = runner.gemv_amx_tiles
     row_limits = args.gemv_rows or [plan_rows]
-    kinds = args.kinds or (["dot", "amx-tiles"] if kernels.amx_usable() else ["dot"])
+    kinds = args.kinds or ["dot", "panels"] + (["amx-tiles"] if kernels.amx_usable() else [])
     if "amx-tiles" in kinds and not kernels.amx_usable():
         raise SystemExit("--kinds amx-tiles: this CPU or OS runs no AMX")
     decoders = {}
     for rows in row_limits:  # one fused decoder per limit, built once, swapped in turns
         runner.gemv_max_rows = rows
         decoders[rows] = runner._build_fused_decoder()
+        if "panels" in kinds:  # one more, its row-major copy gone: panels from 1 row
+            decoders[rows, "panels"] = runner._build_fused_decoder()
+            if not decoders[rows, "panels"].drop_row_major():
+                raise SystemExit("--kinds panels: this decoder keeps its row-major copy")
     runner.gemv_amx_tiles = False  # each variant sets its own kind
     variants: list[tuple[int, int, str]] = []
     if "dot" in kinds:
         variants += [(rows, d, "dot") for rows in row_limits for d in args.distances]
+    if "panels" in kinds:  # the panels' own prefetch: no distance of this script's
+        variants += [(rows, plan_distance, "panels") for rows in row_limits]
     if "amx-tiles" in kinds:  # the tiles' own prefetch: no distance of this script's
         variants += [(rows, plan_distance, "amx-tiles") for rows in row_limits]
     median_decode_step(engine, "warm", 1, 4)
@@ -100,9 +116,10 @@ def main() -> None:
             order = variants if r % 2 == 0 else variants[::-1]
             for batch in args.batches:
                 for rows, distance, kind in order:
-                    runner.fused_decoder = decoders[rows]
-                    decoders[rows].set_weight_prefetch(distance)
-                    decoders[rows].set_amx_gemv(kind == "amx-tiles")
+                    decoder = decoders[(rows, "panels") if kind == "panels" else rows]
+                    runner.fused_decoder = decoder
+                    decoder.set_weight_prefetch(distance)
+                    decoder.set_amx_gemv(kind == "amx-tiles")
                     tag = f"{r}-{batch}-{rows}-{distance}-{kind}"
                     step = median_decode_step(engine, tag, batch, args.steps)
                     results[batch][variant_name(rows, distance, kind)].append(step)
@@ -118,7 +135,13 @@ def main() -> None:
     for batch, per in summary.items():
         row = "  ".join(f"{name}: {ms:.2f} ms" for name, ms in per.items())
         log(f"batch {batch}: {row}")
-    plan_kind = "amx-tiles" if plan_tiles else "dot"
+    plan_kind = (
+        "amx-tiles"
+        if plan_tiles
+        else "dot"
+        if row_major_needed(plan_distance, plan_tiles)
+        else "panels"
+    )
     log(f"the plan here: {variant_name(plan_rows, plan_distance, plan_kind)}")
     save_json(
         args.out,
@@ -136,6 +159,8 @@ def main() -> None:
 def variant_name(rows: int, distance: int, kind: str = "dot") -> str:
     if kind == "amx-tiles":
         return f"gemv<={rows} amx-tiles"
+    if kind == "panels":
+        return f"gemv<={rows} panels from 1 row"
     return f"gemv<={rows} prefetch {distance} B"
 
 

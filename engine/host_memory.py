@@ -4,16 +4,14 @@ Loading lays the decoder's weights out several times (safetensors into parameter
 oneDNN's packing, the fused decoder's panels) and frees what it no longer needs. glibc keeps
 freed blocks under its mmap threshold (which the first large free raises to as much as 32 MiB)
 in its heap for later allocations: the process stays at its peak resident size. On the bench
-checkpoint (Zen 4) the fused decoder letting its row-major copy go freed 190 MB of resident
-memory only with a trim, 55 MB without it (``python -m benchmarks.load_memory``).
+checkpoint (Zen 4) the fused decoder letting its row-major copy go lowered the resident size
+by 190 MiB with a trim, by 35-80 MiB without one (two scratch runs; ``python -m
+benchmarks.load_memory`` measures the former).
 """
 
 from __future__ import annotations
 
 import ctypes
-import logging
-
-log = logging.getLogger("engine.host_memory")
 
 
 def resident_mib() -> float:

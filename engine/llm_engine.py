@@ -97,10 +97,11 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         )
         before, released = resident_mib(), trim_heap()
+        after = resident_mib()
         log.info(
-            "host memory after load: %.0f MiB resident (%s)",
-            resident_mib(),
-            f"{before - resident_mib():.0f} MiB of freed heap returned" if released else "no trim",
+            "host memory after load: %.0f MiB resident (%.0f MiB of freed heap returned)",
+            after,
+            before - after if released else 0,
         )
         # raised by a front end on another thread when it queues a chat request; lowered by
         # its step loop before it takes queued requests in (engine/step_interrupt.py)

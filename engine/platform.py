@@ -118,12 +118,15 @@ def native_gemv_tuning(vendor: str, family: int) -> tuple[int, int]:
 def gemv_row_major_needed(prefetch_bytes: int, amx_tiles: bool) -> bool:
     """Whether the native build keeps the decoder's row-major bf16 copy, a third of the
     weight memory it holds (row-major, panels, oneDNN's packing: 3 GB each on a 2B-class
-    decoder). Its only reader is the 1-row dot-product GEMV; the panels run 1-row steps as
-    fast where that kernel relies on the hardware prefetcher alone (Zen 4, ``python -m
-    benchmarks.load_memory``: batch-1 ``bench`` decode steps, both engines in one process in
-    turns, 8 rounds, 5.74 against 5.58 ms and 6.81 against 6.69 in two runs; 190 MiB less
-    resident). Kept where its weight prefetch was tuned against the hardware's (Intel, Zen 5:
-    not re-measured against panels) and on AMX, whose tiles are laid out from it."""
+    decoder). Its only reader is the 1-row dot-product GEMV; where that kernel relies on the
+    hardware prefetcher alone the panels run 1-row steps nearly as fast, and the memory is
+    worth more on an edge box than the difference (Zen 4, batch-1 ``bench`` decode steps in
+    turns inside one process: ``python -m benchmarks.load_memory`` 5.74 against 5.58 ms and
+    6.81 against 6.69, ``python -m benchmarks.weight_prefetch --batches 1 2 4 --distances 0``
+    7.13 against 6.83 -- 2-4 % slower, where that run read the same code 4-6 % apart at
+    batches 2 and 4 -- for 190 MiB less resident). Kept where its weight prefetch was tuned
+    against the hardware's (Intel, Zen 5: not re-measured against panels; ``--kinds dot
+    panels`` of that benchmark does it) and on AMX, whose tiles are laid out from it."""
     return prefetch_bytes > 0 or amx_tiles
 
 

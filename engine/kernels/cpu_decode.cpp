@@ -323,7 +323,7 @@ constexpr bool kWideRegs = vs::kVecRegs >= 32;
 // same GEMV benchmark): 1 row 5.5 against 5.4 ms row-major, 2 rows 5.3 against 5.6, so panels
 // from 2 rows; 1-row steps keep the row-major kernel and its tuned weight prefetch, unless the
 // plan lets that copy go (FusedDecoder::drop_row_major: panels from 1 row, a second set of
-// sums for the lone row; Zen 4, engine decode steps at batch 1 in turns, level within 3 %)
+// sums for the lone row; Zen 4, engine decode steps at batch 1 in turns, 2-4 % slower)
 #ifdef VS_BF16_DOT
 constexpr int kPanelRows = 2;
 #else

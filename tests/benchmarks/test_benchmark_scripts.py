@@ -346,12 +346,13 @@ def test_weight_prefetch_script(tiny_qwen2_vl, results):
     if data.get("skipped"):
         return  # no native-bf16 build here: the script says so and saves that
     assert set(data["median_step_ms"]) == {"1", "2"}
-    # 2 limits x 2 distances of the dot product, and 2 limits on AMX tiles where they run
+    # 2 limits x 2 distances of the dot product, 2 limits on panels from 1 row, and 2 limits on
+    # AMX tiles where they run
     from engine.kernels import load_cpu_decode
 
-    variants = 4 + 2 * bool(load_cpu_decode().amx_usable())
+    variants = 4 + 2 + 2 * bool(load_cpu_decode().amx_usable())
     assert all(len(row) == variants for row in data["median_step_ms"].values())
-    assert data["gemv_kind"] in ("dot", "amx-tiles")
+    assert data["gemv_kind"] in ("dot", "panels", "amx-tiles")
     assert all(ms > 0 for row in data["median_step_ms"].values() for ms in row.values())
 
 
