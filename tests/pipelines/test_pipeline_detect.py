@@ -122,9 +122,12 @@ def test_injected_detections_run_the_real_model_first(detector) -> None:
 
 
 def test_untrained_model_finds_no_people_on_real_photos(detector) -> None:
-    # documents why the end-to-end test injects detections
+    """Why the end-to-end tests inject detections: built from yolo26n.yaml, the head's class
+    bias starts at YOLO's prior (5 objects an image over 80 classes: scores of 1e-5 to 1e-3
+    by stride), far under the default confidence, so real photos of people give no detection
+    at all."""
     out = detector.detect(frames("a", "b"))
-    assert all(len(d) < 5 for d in out)
+    assert out == [[], []]
 
 
 def test_detector_config_defaults_to_trained_weights_and_person() -> None:
