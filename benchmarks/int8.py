@@ -66,9 +66,10 @@ def weight_bytes(llm: LLM) -> int:
     return total
 
 
-def decode_step_ms(llm: LLM, rows: int, steps: int) -> float:
-    """Median wall time of a decode-only step with ``rows`` running sequences."""
-    eng = llm.engine
+def decode_step_ms(llm, rows: int, steps: int) -> float:
+    """Median wall time of a decode-only step with ``rows`` running sequences, of an ``LLM``
+    or an ``LLMEngine``."""
+    eng = getattr(llm, "engine", llm)
     # room for the steps whatever order the prompts finish in; the rest is aborted
     params = SamplingParams(temperature=0, max_tokens=steps + 512, ignore_eos=True)
     ids = [f"decode-{rows}-{i}" for i in range(rows)]

@@ -21,9 +21,9 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 
 from benchmarks.common import bench_checkpoint, checkpoint_args, log, save_json, setup_env
+from benchmarks.int8 import decode_step_ms
 
 VARIANTS = ("plan", "row-major kept")
 
@@ -46,24 +46,6 @@ def load(model: str, dtype: str, variant: str):
 def row_major_held(eng) -> bool | None:
     fused = eng.runner.fused_decoder
     return None if fused is None else bool(getattr(fused, "row_major", True))
-
-
-def decode_step_ms(eng, steps: int) -> float:
-    """Median of ``steps`` decode steps of one sequence."""
-    from engine.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True)
-    eng.add_request("timed", {"prompt_token_ids": list(range(100, 132))}, params)
-    while any(r.is_prefill for r in eng.scheduler.running) or eng.scheduler.waiting:
-        eng.step()
-    eng.step()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        eng.step()
-        times.append(time.perf_counter() - t0)
-    eng.abort("timed")
-    return statistics.median(times) * 1e3
 
 
 def main() -> None:
@@ -96,7 +78,7 @@ def main() -> None:
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for r in range(args.rounds):
         for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
-            times[variant].append(decode_step_ms(engines[variant], args.steps))
+            times[variant].append(decode_step_ms(engines[variant], 1, args.steps))
     summary = {
         v: {
             "resident_mib": memory[v]["resident_mib"],
