@@ -278,7 +278,7 @@ def test_auto_target_follows_the_decode_only_step(tiny_qwen2_vl):
 
 
 def test_cost_model_learns_a_linear_step_time():
-    model = StepCostModel(refit_every=1)
+    model = StepCostModel(refit_every=1, refit_interval_s=0)
     truth = StepCostModel(coefficients=SYNTHETIC)
     for i in range(40):
         f = StepFeatures(
@@ -306,7 +306,7 @@ def test_encoder_prices_are_fitted_on_the_encoders_own_time():
     per-unit and per-item prices come out exact, and the decode price is learnt from the
     step's remainder; fitted on whole steps they would carry the decode part's noise."""
     rng = np.random.default_rng(0)
-    model = StepCostModel(refit_every=1)
+    model = StepCostModel(refit_every=1, refit_interval_s=0)
     per_kunit, per_item, decode = 0.04, 0.003, 0.020
     for i in range(200):
         items = 1 + i % 3
@@ -325,7 +325,7 @@ def test_cost_model_learns_that_a_few_rows_ride_along_for_free():
     """Roofline-shaped truth: weights streamed once per step, rows past the ridge cost FLOPs.
     A straight line through decode-only steps and big chunks would price a 12-token chunk at
     the big-chunk rate; the hinge features must recover the flat start."""
-    model = StepCostModel(refit_every=1)
+    model = StepCostModel(refit_every=1, refit_interval_s=0)
 
     def truth(f: StepFeatures) -> float:
         rows = f.prefill_tokens + f.decode_tokens
@@ -359,7 +359,7 @@ def test_cost_model_learns_the_eager_forward_premium():
             0.006 + 0.0002 * f.decode_tokens + 0.0001 * f.prefill_tokens + 0.007 * (f.eager_forward)
         )
 
-    model = StepCostModel(refit_every=1)
+    model = StepCostModel(refit_every=1, refit_interval_s=0)
     samples = [StepFeatures(decode_tokens=d, fused_decode_rows=8) for d in range(1, 9)]
     samples += [
         StepFeatures(decode_tokens=4, prefill_tokens=p, fused_decode_rows=8) for p in (2, 8, 32)
@@ -386,7 +386,7 @@ def test_cost_model_prices_prompt_rows_beside_decodes_apart():
             + mixed * (0.002 + 0.0004 * f.prefill_tokens)
         )
 
-    model = StepCostModel(refit_every=1)
+    model = StepCostModel(refit_every=1, refit_interval_s=0)
     samples = [StepFeatures(prefill_tokens=p) for p in (8, 16, 32, 64, 128, 256)]
     samples += [StepFeatures(decode_tokens=d) for d in (1, 2, 4, 8, 16)]
     samples += [StepFeatures(decode_tokens=4, prefill_tokens=p) for p in (1, 2, 4, 8, 16, 32)]
@@ -433,7 +433,7 @@ def test_cost_model_prices_keys_of_decodes_and_small_chunks_apart_from_prefill_a
     for ctx in (64, 1024):
         samples += [step([ctx] * d) for d in (1, 2, 4, 8, 16) if ctx == 64 or d in (1, 4)]
         samples += [step([ctx] * 4, (ctx, n)) for n in (1, 4, 12)]
-    model = StepCostModel(refit_every=1)
+    model = StepCostModel(refit_every=1, refit_interval_s=0)
     for f in samples * 2:
         model.observe(f, truth(f))
     for probe in (
