@@ -109,7 +109,10 @@ def load_model(
                 param.data = copy
             model.decode_kernel_weights_hp = [p.detach() for p in params]
         model.set_cpu_kernels(kernels)
-        log.info("native CPU kernels on (decoder weights on huge pages)")
+        log.info(
+            "native CPU kernels on (decoder %s on huge pages)",
+            "weights" if plan.gemv_row_major or plan.quantization else "norms and biases",
+        )
     if plan.cpu_linears and (model.cpu_kernels is not None or plan.emulated_bf16):
         # the vision tower's linears run once per 64-row work item: F.linear would re-lay-out
         # (or, emulated, run at a fifth of the fp32 rate) each bf16 weight every time

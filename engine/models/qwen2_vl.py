@@ -173,9 +173,11 @@ class Qwen2VLModel(nn.Module):
         # attention); "hf": the transformers module's own forward, kept for parity tests
         self.vision_impl = "engine"
         self._vision_tower: VisionTower | None = None
-        # copies of the decoder weights on huge pages for the fused CPU decode kernel
-        # (engine.kernels); with int8 weights the int8 tensors themselves (the kernel packs
-        # them into its own huge-page panels); None where that kernel is off or cannot run
+        # the decoder weights for the fused CPU decode kernel (engine.kernels), copied to huge
+        # pages (only the norms and biases where the plan lets the row-major matrices go once
+        # the kernel holds its panels: then None after that); with int8 weights the int8
+        # tensors themselves (the kernel packs them into its own huge-page panels); None where
+        # that kernel is off or cannot run
         self.decode_kernel_weights_hp: list[torch.Tensor] | None = None
         # int8 weights (--quantization int8): their per-output-channel scales in the kernel's
         # order (int8_decode_weights); None for 16-bit weights
