@@ -713,10 +713,9 @@ __attribute__((noinline)) void panel_block_dot(const bf16* x, int64_t K, const u
   // one row: a second set of sums takes every other k pair, so that V chains do not wait on
   // the dot product's latency alone
   constexpr int S = R == 1 ? 2 : 1;
-  vf acc[R][V], more[S > 1 ? R : 1][V];
+  vf acc[R][V], more[R][V];
   load_panel_sums(acc, acc_io, h0, first);
-  for (int r = 0; r < (S > 1 ? R : 1); ++r)
-    for (int v = 0; v < V; ++v) more[r][v] = vs::zero();
+  load_panel_sums(more, acc_io, h0, /*first=*/true);  // zeros
   auto step = [&](int64_t i, vf (&sums)[R][V]) {
     const uint16_t* wp = panel + i * 2 * kPanel;
     if (prefetch) prefetch_pair_ahead(wp);
@@ -966,14 +965,15 @@ void quantize_rows(int M, const bf16* x, int64_t K, PanelInput& in) {
           // and the rest's largest sets the rounding. Heavy-tailed activations (the MLP's
           // down projection reads SiLU(gate) x up) take this path in a good share of their
           // stretches: it is vectorized, the outliers themselves picked out lane by lane.
+          Inliers in_limit = inliers(mag, n, limit);
           for (int pass = 0; pass < 4; ++pass) {
-            const Inliers in_limit = inliers(mag, n, limit);
             const float narrower =
                 kOutlierRms * std::sqrt(in_limit.sumsq / std::max<int64_t>(in_limit.count, 1));
             if (in_limit.max <= narrower) break;
             limit = narrower;
+            in_limit = inliers(mag, n, limit);
           }
-          a = inliers(mag, n, limit).max;
+          a = in_limit.max;
           for (int64_t k = 0; k < n; k += 16) {
             if (!vs::any_gt(vs::load(mag + k, n - k), limit)) continue;
             for (int64_t j = k; j < std::min(n, k + 16); ++j)
@@ -1814,7 +1814,7 @@ class FusedDecoder {
   // times: row-major (the 1-row dot-product GEMV), panels (2 rows up) and oneDNN's packing
   // (steps past the GEMV's rows); on a 2B-class decoder the row-major copy is 3 GB. The
   // platform plan asks for it where the row-major kernel has no tuned weight prefetch (Zen 4:
-  // panels at 1 row ran level with it, see kPanelRows). Only where every matrix has bf16
+  // 1-row steps 2-4 % slower on panels, see kPanelRows). Only where every matrix has bf16
   // panels and oneDNN's packing, and not on AMX tiles (laid out from the row-major copy).
   // The caller drops its own references too: the copy is freed when the last one goes.
   // Returns whether the copy is gone.
