@@ -46,9 +46,11 @@ from pathlib import Path
 from benchmarks.common import bench_checkpoint, log, save_json, setup_env
 from benchmarks.serve_mixed import (
     CHAT_PROMPTS,
+    CLIENTS,
     RequestRecord,
     frame_data_url,
     free_port,
+    make_client,
     one_request,
     running_server,
     server_command,
@@ -69,9 +71,7 @@ def _frame_messages(url: str, j: int) -> list[dict]:
 
 class Driver:
     def __init__(self, base_url: str, args) -> None:
-        from openai import AsyncOpenAI
-
-        self.client = AsyncOpenAI(base_url=base_url, api_key="bench", timeout=900, max_retries=0)
+        self.client = make_client(args.client, base_url, timeout=900)
         self.args = args
         self.t0 = time.monotonic()
         self.seed = 0
@@ -283,6 +283,12 @@ def main() -> None:
     ap.add_argument("--chat-tokens", type=int, default=8)
     ap.add_argument("--chat-gap-s", type=float, default=0.5)
     ap.add_argument("--num-chat", type=int, default=4)
+    ap.add_argument(
+        "--client",
+        choices=CLIENTS,
+        default="raw",
+        help="the load generator's client (benchmarks/sse_client.py says why raw)",
+    )
     ap.add_argument("--chat-stream-tokens", type=int, default=96)
     ap.add_argument("--camera-tokens", type=int, default=16)
     ap.add_argument("--image-size", default="640x480")

@@ -1,7 +1,8 @@
 """Mixed serving benchmark: interactive chat streams + camera frames, over HTTP, per mode.
 
-For each mode a server is started on the same checkpoint and dtype, then driven with the
-``openai`` async client, streaming:
+For each mode a server is started on the same checkpoint and dtype, then driven with streaming
+chat completions (``--client raw``, the default: the stream read off the socket, so the load
+generator takes little of the cores it shares with the server; ``--client openai``: the SDK):
 
 * phase "alone": K chat streams, nothing else — the ITL baseline (decode steps, no prefill),
   for ``--alone-min-s`` at least (its tail is compared with a mixed phase of minutes);
@@ -47,6 +48,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.common import RESULTS, bench_checkpoint, camera_frame, log, save_json, setup_env
+from benchmarks.sse_client import RawChatClient
 
 CHAT_PROMPTS = [
     "Tell me about the history of the city tram.",
@@ -189,26 +191,51 @@ def frame_data_url(width: int, height: int, seed: int) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+CLIENTS = ("raw", "openai")
+
+
+def make_client(kind: str, base_url: str, timeout: float):
+    """The load generator's client: ``raw`` (benchmarks/sse_client.py: the stream read off the
+    socket, ~80 µs of CPU a token) or ``openai`` (the SDK, ~350 µs a token on the same cores)."""
+    if kind == "raw":
+        return RawChatClient(base_url, "bench", timeout)
+    if kind == "openai":
+        from openai import AsyncOpenAI
+
+        return AsyncOpenAI(base_url=base_url, api_key="bench", timeout=timeout, max_retries=0)
+    raise ValueError(f"unknown client {kind!r}; one of {CLIENTS}")
+
+
+async def _openai_content_events(client, model, messages, max_tokens, extra):
+    stream = await client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+        extra_body=extra or None,
+    )
+    async for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        if delta and delta.content:
+            yield delta.content
+
+
 async def one_request(client, model, messages, max_tokens, extra, rec: RequestRecord, t0: float):
+    """Stream one chat completion, recording when each content event arrived."""
     try:
-        stream = await client.chat.completions.create(
-            model=model,
-            messages=messages,
-            max_tokens=max_tokens,
-            temperature=0.0,
-            stream=True,
-            extra_body=extra or None,
-        )
-        async for chunk in stream:
-            if not chunk.choices:
-                continue
-            delta = chunk.choices[0].delta
-            if delta and delta.content:
-                now = time.monotonic() - t0
-                if rec.ttft is None:
-                    rec.ttft = now - rec.arrival
-                rec.token_times.append(now)
-                rec.output_tokens += 1
+        if isinstance(client, RawChatClient):
+            events = client.content_events(model, messages, max_tokens, extra)
+        else:
+            events = _openai_content_events(client, model, messages, max_tokens, extra)
+        async for _ in events:
+            now = time.monotonic() - t0
+            if rec.ttft is None:
+                rec.ttft = now - rec.arrival
+            rec.token_times.append(now)
+            rec.output_tokens += 1
         rec.e2e = time.monotonic() - t0 - rec.arrival
     except Exception as exc:
         rec.error = f"{type(exc).__name__}: {exc}"[:200]
@@ -223,9 +250,7 @@ async def run_phase(
     num_cameras: int,
     rng_seed: int,
 ) -> list[RequestRecord]:
-    from openai import AsyncOpenAI
-
-    client = AsyncOpenAI(base_url=base_url, api_key="bench", timeout=600, max_retries=0)
+    client = make_client(args.client, base_url, timeout=600)
     rng = random.Random(rng_seed)
     records: list[RequestRecord] = []
     t0 = time.monotonic()
@@ -588,6 +613,12 @@ def main() -> None:
         "adaptive-auto+wholeenc,chunked-512+wholeenc,hf,hf-cb",
     )
     ap.add_argument("--num-chat", type=int, default=4)
+    ap.add_argument(
+        "--client",
+        choices=CLIENTS,
+        default="raw",
+        help="the load generator's client (benchmarks/sse_client.py says why raw)",
+    )
     ap.add_argument("--chat-min-tokens", type=int, default=64)
     ap.add_argument("--chat-max-tokens", type=int, default=128)
     ap.add_argument(

@@ -1,0 +1,45 @@
+"""The benchmarks' raw SSE client (benchmarks/sse_client.py) reads the same stream the OpenAI
+SDK does: the same content, event for event, from the real server; errors are raised, not
+counted as empty completions (a benchmark that recorded a refused request as a fast one would
+report nonsense)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.sse_client import RawChatClient, StreamError
+
+from .support import API_KEY, ServerHandle
+
+MESSAGES = [{"role": "user", "content": "Describe the bus stop in one sentence."}]
+
+
+async def test_raw_client_reads_what_the_sdk_reads(server: ServerHandle, async_client) -> None:
+    extra = {"ignore_eos": True}
+    raw = RawChatClient(server.v1, API_KEY, timeout=60)
+    pieces = [p async for p in raw.content_events(server.model, MESSAGES, 24, extra)]
+    stream = await async_client.chat.completions.create(
+        model=server.model,
+        messages=MESSAGES,
+        max_tokens=24,
+        temperature=0.0,
+        stream=True,
+        extra_body=extra,
+    )
+    sdk = [
+        c.choices[0].delta.content async for c in stream if c.choices and c.choices[0].delta.content
+    ]
+    assert pieces == sdk and len(pieces) > 1
+
+
+async def test_raw_client_raises_on_errors(server: ServerHandle) -> None:
+    raw = RawChatClient(server.v1, API_KEY, timeout=60)
+    with pytest.raises(StreamError, match="HTTP 404"):
+        async for _ in raw.content_events("no-such-model", MESSAGES, 4, None):
+            pass
+    wrong_key = RawChatClient(server.v1, "not-the-key", timeout=60)
+    with pytest.raises(StreamError, match="HTTP 401"):
+        async for _ in wrong_key.content_events(server.model, MESSAGES, 4, None):
+            pass
+    with pytest.raises(ValueError, match="plain http"):
+        RawChatClient("https://example.com/v1", API_KEY, timeout=1)
