@@ -4,12 +4,13 @@ On a 2-core edge box the HTTP front end (the event loop on the server's main thr
 chunks, socket writes, the engine's wake-ups) and the clients run on the cores the engine
 steps on, so every microsecond they spend per token is one the camera work does not get
 (issue 14's "camera work gets all that chat leaves"). This starts ``vision-serve serve`` with
-default flags, runs ``--num-chat`` OpenAI-SDK chat streams back to back, and after a warm-up
-reads each server thread's CPU time (``/proc/<pid>/task/*/stat``) over ``--seconds``: the main
-thread (the event loop), the step thread and its OpenMP worker (the two busiest others), and
-the client process's own CPU.
+default flags, runs ``--num-chat`` chat streams back to back (``--client raw``: the stream
+read off the socket, as the other serving benchmarks now do; ``--client openai``: the SDK),
+and after a warm-up reads each server thread's CPU time (``/proc/<pid>/task/*/stat``) over
+``--seconds``: the main thread (the event loop), the step thread and its OpenMP worker (the two
+busiest others), and the client process's own CPU.
 
-    python -m benchmarks.front_end_cpu [--num-chat 4] [--seconds 30] [--max-tokens 96]
+    python -m benchmarks.front_end_cpu [--num-chat 4] [--seconds 30] [--client raw|openai]
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ import time
 from benchmarks.common import bench_checkpoint, log, save_json, setup_env
 from benchmarks.serve_mixed import (
     CHAT_PROMPTS,
+    CLIENTS,
     RequestRecord,
     free_port,
+    make_client,
     one_request,
     running_server,
 )
@@ -46,9 +49,7 @@ def thread_cpu_s(pid: int) -> dict[int, float]:
 
 
 async def measure(port: int, pid: int, args) -> dict:
-    from openai import AsyncOpenAI
-
-    client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+    client = make_client(args.client, f"http://127.0.0.1:{port}/v1", timeout=600)
     records: list[RequestRecord] = []
     stop = asyncio.Event()
     t0 = time.monotonic()
@@ -109,6 +110,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the bench one)")
     ap.add_argument("--num-chat", type=int, default=4)
+    ap.add_argument(
+        "--client",
+        choices=CLIENTS,
+        default="raw",
+        help="the chat client (benchmarks/sse_client.py): raw, or the openai SDK's cost",
+    )
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--warmup", type=float, default=5.0)

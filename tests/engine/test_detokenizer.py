@@ -147,10 +147,23 @@ def test_a_failing_stream_hands_over_to_the_window(byte_level, monkeypatch):
         assert "".join(streamed[0]) == streamed[1] == windowed[1] == text
 
 
-def test_tokenizers_that_post_process_keep_the_window(metaspace):
+def test_tokenizers_that_post_process_keep_the_window(metaspace, byte_level):
     metaspace.clean_up_tokenization_spaces = True
     try:
         detok = IncrementalDetokenizer(metaspace, SamplingParams(), [])
         assert detok._stream is None
     finally:
         metaspace.clean_up_tokenization_spaces = False
+
+    class Shouting(type(byte_level)):
+        """A model's tokenizer class with a decode of its own (as Whisper's has)."""
+
+        def _decode(self, *args, **kwargs):
+            return super()._decode(*args, **kwargs).upper()
+
+    shouting = Shouting.from_pretrained(byte_level.name_or_path)
+    ids = shouting.encode("a person by the bus", add_special_tokens=False)
+    detok = IncrementalDetokenizer(shouting, SamplingParams(), [])
+    assert detok._stream is None
+    text = "".join(detok.add([t], False) for t in ids) + detok.add([], True)
+    assert text == "A PERSON BY THE BUS"
