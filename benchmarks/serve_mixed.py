@@ -206,7 +206,9 @@ def make_client(kind: str, base_url: str, timeout: float):
     raise ValueError(f"unknown client {kind!r}; one of {CLIENTS}")
 
 
-async def _openai_content_events(client, model, messages, max_tokens, extra):
+async def openai_content_events(client, model, messages, max_tokens, extra):
+    """The streamed completion's non-empty content deltas through the ``openai`` SDK (``--client
+    openai``), as ``RawChatClient.content_events`` yields them off the socket."""
     stream = await client.chat.completions.create(
         model=model,
         messages=messages,
@@ -229,7 +231,7 @@ async def one_request(client, model, messages, max_tokens, extra, rec: RequestRe
         if isinstance(client, RawChatClient):
             events = client.content_events(model, messages, max_tokens, extra)
         else:
-            events = _openai_content_events(client, model, messages, max_tokens, extra)
+            events = openai_content_events(client, model, messages, max_tokens, extra)
         async for _ in events:
             now = time.monotonic() - t0
             if rec.ttft is None:

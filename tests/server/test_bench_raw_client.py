@@ -1,12 +1,13 @@
 """The benchmarks' raw SSE client (benchmarks/sse_client.py) reads the same stream the OpenAI
-SDK does: the same content, event for event, from the real server; errors are raised, not
-counted as empty completions (a benchmark that recorded a refused request as a fast one would
-report nonsense)."""
+SDK does (the benchmarks' ``--client openai`` path): the same content, event for event, from
+the real server; errors are raised, not counted as empty completions (a benchmark that recorded
+a refused request as a fast one would report nonsense)."""
 
 from __future__ import annotations
 
 import pytest
 
+from benchmarks.serve_mixed import openai_content_events
 from benchmarks.sse_client import RawChatClient, StreamError
 
 from .support import API_KEY, ServerHandle
@@ -18,17 +19,7 @@ async def test_raw_client_reads_what_the_sdk_reads(server: ServerHandle, async_c
     extra = {"ignore_eos": True}
     raw = RawChatClient(server.v1, API_KEY, timeout=60)
     pieces = [p async for p in raw.content_events(server.model, MESSAGES, 24, extra)]
-    stream = await async_client.chat.completions.create(
-        model=server.model,
-        messages=MESSAGES,
-        max_tokens=24,
-        temperature=0.0,
-        stream=True,
-        extra_body=extra,
-    )
-    sdk = [
-        c.choices[0].delta.content async for c in stream if c.choices and c.choices[0].delta.content
-    ]
+    sdk = [p async for p in openai_content_events(async_client, server.model, MESSAGES, 24, extra)]
     assert pieces == sdk and len(pieces) > 1
 
 
