@@ -71,12 +71,13 @@ class RawChatClient:
                 chunk = await asyncio.wait_for(_read_chunk(reader), self.timeout)
                 if not chunk:
                     return
-                pending += chunk
+                # SSE lines may end in CRLF too, split across chunks at worst
+                pending = (pending + chunk).replace(b"\r\n", b"\n")
                 *events, pending = pending.split(b"\n\n")
                 for event in events:
-                    if not event.startswith(b"data: "):
+                    if not event.startswith(b"data:"):
                         continue
-                    data = event[6:]
+                    data = event[5:].lstrip(b" ")
                     if data == b"[DONE]":
                         return
                     parsed = json.loads(data)
