@@ -25,8 +25,8 @@ import time
 from benchmarks.common import bench_checkpoint, log, save_json, setup_env
 from benchmarks.serve_mixed import (
     CHAT_PROMPTS,
-    CLIENTS,
     RequestRecord,
+    add_client_argument,
     free_port,
     make_client,
     one_request,
@@ -110,12 +110,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the bench one)")
     ap.add_argument("--num-chat", type=int, default=4)
-    ap.add_argument(
-        "--client",
-        choices=CLIENTS,
-        default="raw",
-        help="the chat client (benchmarks/sse_client.py): raw, or the openai SDK's cost",
-    )
+    add_client_argument(ap)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--warmup", type=float, default=5.0)

@@ -46,8 +46,8 @@ from pathlib import Path
 from benchmarks.common import bench_checkpoint, log, save_json, setup_env
 from benchmarks.serve_mixed import (
     CHAT_PROMPTS,
-    CLIENTS,
     RequestRecord,
+    add_client_argument,
     frame_data_url,
     free_port,
     make_client,
@@ -283,12 +283,7 @@ def main() -> None:
     ap.add_argument("--chat-tokens", type=int, default=8)
     ap.add_argument("--chat-gap-s", type=float, default=0.5)
     ap.add_argument("--num-chat", type=int, default=4)
-    ap.add_argument(
-        "--client",
-        choices=CLIENTS,
-        default="raw",
-        help="the load generator's client (benchmarks/sse_client.py says why raw)",
-    )
+    add_client_argument(ap)
     ap.add_argument("--chat-stream-tokens", type=int, default=96)
     ap.add_argument("--camera-tokens", type=int, default=16)
     ap.add_argument("--image-size", default="640x480")

@@ -206,6 +206,16 @@ def make_client(kind: str, base_url: str, timeout: float):
     raise ValueError(f"unknown client {kind!r}; one of {CLIENTS}")
 
 
+def add_client_argument(ap) -> None:
+    """``--client`` of every serving benchmark (the load generator's client, see make_client)."""
+    ap.add_argument(
+        "--client",
+        choices=CLIENTS,
+        default="raw",
+        help="the load generator's client: raw (benchmarks/sse_client.py says why) or openai",
+    )
+
+
 async def openai_content_events(client, model, messages, max_tokens, extra):
     """The streamed completion's non-empty content deltas through the ``openai`` SDK (``--client
     openai``), as ``RawChatClient.content_events`` yields them off the socket."""
@@ -615,12 +625,7 @@ def main() -> None:
         "adaptive-auto+wholeenc,chunked-512+wholeenc,hf,hf-cb",
     )
     ap.add_argument("--num-chat", type=int, default=4)
-    ap.add_argument(
-        "--client",
-        choices=CLIENTS,
-        default="raw",
-        help="the load generator's client (benchmarks/sse_client.py says why raw)",
-    )
+    add_client_argument(ap)
     ap.add_argument("--chat-min-tokens", type=int, default=64)
     ap.add_argument("--chat-max-tokens", type=int, default=128)
     ap.add_argument(
