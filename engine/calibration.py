@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.cost_model import FEATURES, StepCostModel, StepFeatures
-from engine.device import cpuinfo_field
+from engine.device import LESSER_CPU_LIBRARY_ENV, cpuinfo_field
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -311,6 +311,9 @@ def _kernels_digest(variant: str | None) -> str | None:
         return None
 
 
+_LIBRARY_ISA_ENV = sorted({key for env in LESSER_CPU_LIBRARY_ENV.values() for key in env})
+
+
 def calibration_key(engine: LLMEngine) -> str:
     """What a calibration depends on: the machine (CPU model, ISA torch uses, threads, GPU),
     the model (its config), the dtype and the engine's shape (kernels, item sizes, limits)."""
@@ -322,6 +325,8 @@ def calibration_key(engine: LLMEngine) -> str:
         "torch": torch.__version__,
         "cpu": _cpu_name(),
         "isa": torch.backends.cpu.get_cpu_capability(),
+        # oneDNN's and MKL's instruction-set caps (engine.device.LESSER_CPU_LIBRARY_ENV)
+        "library_isa": {key: os.environ.get(key) for key in _LIBRARY_ISA_ENV},
         "threads": torch.get_num_threads(),
         "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,

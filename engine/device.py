@@ -70,13 +70,43 @@ def _torch_cpu_probe(name: str) -> bool:
 
 def cpu_has_fast_bf16() -> bool:
     """AVX512-BF16 or AMX: bf16 matmuls run 2-8x faster than fp32 on such CPUs."""
+    if planned_as_lesser_cpu():
+        return False
     return cpu_has_amx() or _torch_cpu_probe("_is_avx512_bf16_supported")
 
 
 def cpu_has_amx() -> bool:
     """AMX tiles (Xeons since Sapphire Rapids): oneDNN and torch's CPU flash attention run bf16
     products on them at several times the AVX512-BF16 rate."""
+    if planned_as_lesser_cpu():
+        return False
     return _torch_cpu_probe("_is_amx_tile_supported")
+
+
+# what torch, oneDNN and MKL are told at start to run no wider than a CPU class: with
+# VISION_SERVE_CPU_VARIANT, the whole process then runs that class's code (read when the
+# libraries load, so set in the environment a process starts with)
+LESSER_CPU_LIBRARY_ENV = {
+    "avx2": {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    },
+    "emulated-bf16": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
+    "emulated-bf16-vnni": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"},
+}
+
+
+def planned_as_lesser_cpu() -> bool:
+    """Whether ``VISION_SERVE_CPU_VARIANT`` (engine/kernels) has this process run a variant
+    without bf16 arithmetic on a CPU that has it: the plan is then that class's (no native
+    bf16, no AMX: eager bf16 linears widened to fp32, an fp32 vision tower), so an AVX-512 or
+    AMX machine runs, tests and times what an AVX2-only or Ice Lake box would. Together with
+    :data:`LESSER_CPU_LIBRARY_ENV` in the environment, torch's, oneDNN's and MKL's own code
+    too; the hardware underneath stays this one (its clocks, caches and memory)."""
+    from engine.kernels import forced_variant
+
+    return forced_variant() not in (None, "native-bf16")
 
 
 def resolve_dtype(name: str, device: torch.device, cpu_kernels: bool = True) -> torch.dtype:

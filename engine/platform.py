@@ -18,10 +18,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.device import (
+    LESSER_CPU_LIBRARY_ENV,
     cpu_family,
     cpu_has_amx,
     cpu_has_fast_bf16,
     cpu_vendor,
+    planned_as_lesser_cpu,
     resolve_device,
     resolve_dtype,
 )
@@ -365,4 +367,29 @@ def resolve_platform(args: EngineArgs) -> PlatformPlan:
         enforce_eager=args.enforce_eager,
     )
     log.info(plan.describe())
+    if plan.device.type == "cpu":
+        _warn_unless_libraries_follow(plan.kernel_variant)
     return plan
+
+
+def _warn_unless_libraries_follow(variant: str | None) -> None:
+    """Under a lesser ``VISION_SERVE_CPU_VARIANT``, say which library settings this process
+    lacks to run that CPU class's code in torch, oneDNN and MKL too (they read them at load:
+    too late to set here), so a figure taken without them is not mistaken for that class's."""
+    import os
+
+    if variant is None or not planned_as_lesser_cpu():
+        return
+    missing = {
+        key: value
+        for key, value in LESSER_CPU_LIBRARY_ENV.get(variant, {}).items()
+        if os.environ.get(key) != value
+    }
+    if missing:
+        exports = " ".join(f"{key}={value}" for key, value in missing.items())
+        log.warning(
+            "planned for %s CPUs, but torch/oneDNN/MKL still run this CPU's widest code: "
+            "start the process with %s",
+            variant,
+            exports,
+        )

@@ -5,7 +5,8 @@
 # processes, fuzzing, the 64-client load test, the benchmark scripts, the two-replica failover,
 # and every test on the trained person detector, whose first build on a machine takes 4-7
 # minutes): under 10 minutes on 2 cores. In CI (the `CI` variable set, as every CI system does) or with VS_TEST_TIER=all,
-# everything runs (16-22 minutes of pytest, 20-29 with setup on a 2-core AVX2 EPYC). Extra arguments
+# everything runs (16-22 minutes of pytest, 20-29 with setup on a 2-core AVX2 EPYC), and on a
+# wider CPU the engine's tests once more as an AVX2-only box runs them (below). Extra arguments
 # go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -51,4 +52,18 @@ if ! wait "$kernel_pid"; then
   echo "kernel build check FAILED" >&2
   status=1
 fi
-exit "$status"  # pytest's summary stays the last line
+# Tier all on a machine wider than AVX2 also runs the engine's tests as an AVX2-only box plans
+# and computes them (README "Kernels": VISION_SERVE_CPU_VARIANT plus torch's, oneDNN's and MKL's
+# caps): AVX2 kernels, bf16 widened for eager products, an fp32 vision tower -- the class most
+# edge boxes are, which CI machines rarely are (~1.5 min). Its module comes from the prebuild
+# above. Skipped when arguments pick tests.
+best=$(python -c "from engine.kernels import runnable_variants as r; print((r() or ['none'])[0])")
+if [ "$tier" != fast ] && [ $# -eq 0 ] && [ "$best" != avx2 ] && [ "$best" != none ] &&
+  [ -d "${VS_TEST_PREBUILT_KERNELS:-}/kernels" ]; then
+  echo "engine tests planned as an AVX2-only CPU" >&2
+  VISION_SERVE_CPU_VARIANT=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+    MKL_ENABLE_INSTRUCTIONS=AVX2 VISION_SERVE_KERNELS_DIR="$VS_TEST_PREBUILT_KERNELS/kernels" \
+    python -m pytest -p no:cacheprovider --timeout=600 -q -m "not slow" \
+    tests/engine tests/test_checkpoints.py || status=$?
+fi
+exit "$status"  # the last pytest's summary stays the last line

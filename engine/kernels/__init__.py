@@ -192,13 +192,26 @@ def runnable_variants() -> list[str]:
 def cpu_variant() -> str | None:
     """The kernel variant this CPU runs (a key of :data:`VARIANTS`): its best, or the one
     ``VISION_SERVE_CPU_VARIANT`` names where the CPU can run it; ``None`` without one."""
-    runnable = runnable_variants()
-    forced = os.environ.get(VARIANT_ENV, "")
-    if forced and forced in runnable:
+    forced = forced_variant()
+    if forced is not None:
         return forced
-    if forced:
-        _warn_once(f"{VARIANT_ENV}={forced} ignored: this CPU runs {runnable or 'none'}")
+    runnable = runnable_variants()
     return runnable[0] if runnable else None
+
+
+def forced_variant() -> str | None:
+    """The variant ``VISION_SERVE_CPU_VARIANT`` names, where this CPU runs it (else ``None``,
+    said once in the log). The engine then plans as a CPU of that class would
+    (:func:`engine.device.cpu_has_fast_bf16`): a lesser variant's kernels beside bf16
+    arithmetic the CPUs it is built for lack would be a plan no machine runs."""
+    forced = os.environ.get(VARIANT_ENV, "")
+    if not forced:
+        return None
+    runnable = runnable_variants()
+    if forced in runnable:
+        return forced
+    _warn_once(f"{VARIANT_ENV}={forced} ignored: this CPU runs {runnable or 'none'}")
+    return None
 
 
 @functools.cache

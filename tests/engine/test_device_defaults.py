@@ -33,9 +33,12 @@ def test_auto_dtype_is_bf16_where_the_cpu_runs_it_fast_or_the_kernels_build(
 
 
 @pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads /proc/cpuinfo")
-def test_cpu_probes_agree_with_the_kernels_flags() -> None:
+def test_cpu_probes_agree_with_the_kernels_flags(monkeypatch) -> None:
     """torch's probes against /proc/cpuinfo: a probe that lies (or a torch that renames it)
     would silently move every plan choice made from it (dtype, kernels, attention)."""
+    import engine.kernels
+
+    monkeypatch.delenv(engine.kernels.VARIANT_ENV, raising=False)
     flags = set(engine.device.cpuinfo_field("flags").split())  # the kernel's own word
     assert engine.device.cpu_has_amx() == ({"amx_tile", "amx_bf16"} <= flags)
     assert engine.device.cpu_has_fast_bf16() == bool({"avx512_bf16", "amx_bf16"} & flags)
@@ -80,6 +83,34 @@ def test_kernel_variant_follows_the_instruction_set(monkeypatch) -> None:
     assert kernels.cpu_variant() == "avx2"
     monkeypatch.setenv(kernels.VARIANT_ENV, "native-bf16")  # not on this CPU: its best
     assert kernels.cpu_variant() == "emulated-bf16-vnni"
+
+
+@pytest.mark.parametrize("lesser", ["avx2", "emulated-bf16", "emulated-bf16-vnni"])
+def test_a_lesser_variant_plans_as_its_cpu_class(monkeypatch, lesser: str) -> None:
+    """VISION_SERVE_CPU_VARIANT naming a variant without bf16 arithmetic, on an AMX CPU: the
+    plan that class of CPU makes (bf16 widened for eager products, an fp32 vision tower, no
+    AMX tiles), not a lesser build's kernels beside native bf16 that no machine runs; the
+    CPU's own best variant keeps the CPU's plan."""
+    import engine.kernels as kernels
+
+    for name in ("avx512", "avx512_bf16", "avx512_vnni", "avx2"):
+        monkeypatch.setattr(kernels, f"cpu_supports_{name}", lambda: True)
+    monkeypatch.setattr(engine.device, "_torch_cpu_probe", lambda name: True)  # AMX, AVX512-BF16
+    monkeypatch.delenv(kernels.VARIANT_ENV, raising=False)
+    own = plan_platform(CPU, torch.bfloat16)
+    assert own.bf16_arithmetic and own.kernel_variant == "native-bf16"
+    assert own.vision_dtype == torch.bfloat16 and own.linear_kind != "bf16-upcast"
+
+    monkeypatch.setenv(kernels.VARIANT_ENV, lesser)
+    assert not engine.device.cpu_has_fast_bf16() and not engine.device.cpu_has_amx()
+    plan = plan_platform(CPU, torch.bfloat16)
+    assert not plan.bf16_arithmetic and plan.kernel_variant == lesser
+    assert plan.linear_kind == "bf16-upcast" and plan.vision_dtype == torch.float32
+    assert not plan.amx_attention and not plan.gemv_amx_tiles and not plan.torch_flash_attention
+    assert engine.device.LESSER_CPU_LIBRARY_ENV[lesser]  # what the libraries are told
+
+    monkeypatch.setenv(kernels.VARIANT_ENV, "native-bf16")
+    assert plan_platform(CPU, torch.bfloat16) == own
 
 
 def _rows(device: str, dtype: torch.dtype, requested: int | None = None) -> int | None:
