@@ -242,14 +242,17 @@ class ModelRunner:
         self.drop_encodings(sched.evicted_encoder_hashes)
         self.forget_requests(sched.preempted_ids)
         interrupt = self.interrupt if sched.interruptible else None
+        encoding_interrupt = (
+            self.interrupt if sched.interruptible or sched.encoding_interruptible else None
+        )
         t0 = time.perf_counter()
-        units, items, work_s, progress = self._encode(sched, interrupt)
+        units, items, work_s, progress = self._encode(sched, encoding_interrupt)
         t1 = time.perf_counter()
         sampled: dict[str, int] = {}
         self._step_logprobs = {}
         # raised during the encoding (which then stopped), or before the forward: the chunks
-        # may need what the encoding did not finish
-        interrupted = interrupt is not None and interrupt.requested()
+        # may need what the encoding did not finish, and the chat waits for none of them
+        interrupted = encoding_interrupt is not None and encoding_interrupt.requested()
         if sched.chunks and not interrupted:
             try:
                 sampled = self._forward_and_sample(sched, interrupt)

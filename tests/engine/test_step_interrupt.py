@@ -268,6 +268,58 @@ def test_vision_items_run_before_the_interrupt_are_kept(tiny_qwen2_vl):
     assert _finish(eng) == {"cam": expected}
 
 
+def test_encoding_gives_way_in_the_short_steps_after_a_chat_too(tiny_qwen2_vl):
+    """In the wait after a chat the steps are plain short ones, whose prompt rows no chat
+    interrupts (they would be thrown away); their image encoding still stops between items
+    for a queued chat, since the items run are kept and nothing behind them has run: a chat
+    sent between others' requests no longer waits out half a 40-50 ms encoder step. The
+    frame's tokens end as they would uninterrupted. With the chat still in the engine, or
+    interruptible steps off, encoding runs whole."""
+    expected = _reference(tiny_qwen2_vl, _frame(9))
+    eng = _engine(tiny_qwen2_vl, encoder_rows_per_item=16)
+    clock = [100.0]
+    eng.scheduler.clock = lambda: clock[0]
+    eng.add_request("chat", text_conv("hi there"), FEW, priority="interactive")
+    _finish(eng)
+    eng.add_request("cam", _frame(9), FEW, priority="batch")
+    ran, steps = [], []
+    real_requested, real_execute = eng.step_interrupt.requested, eng.runner.execute
+
+    def after_two_items() -> bool:
+        ran.append(1)
+        return len(ran) > 2 or real_requested()
+
+    def execute(sched):
+        steps.append(sched)
+        return real_execute(sched)
+
+    eng.step_interrupt.requested = after_two_items
+    eng.runner.execute = execute
+    assert eng.step() == []
+    assert not steps[0].interruptible and steps[0].encoding_interruptible
+    assert steps[0].target_s == pytest.approx(BOUND_MS / 1e3), "a plain short step"
+    assert eng.get_stats().num_interrupted_steps == 1
+    image = eng.scheduler.requests["cam"].prompt.images[0].content_hash
+    job = eng.runner.encode_jobs[image]
+    assert job.items_run == 2 and not job.done()
+    assert eng.scheduler.requests["cam"].num_computed_tokens == 0
+    eng.step_interrupt.requested = real_requested
+    assert _finish(eng) == {"cam": expected}
+
+    busy = _engine(tiny_qwen2_vl)
+    long_chat = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    busy.add_request("chat", text_conv("hi there"), long_chat, priority="interactive")
+    busy.step()  # its prompt: the chat decodes from here on
+    busy.add_request("cam", _frame(9), FEW, priority="batch")
+    sched = busy.scheduler.schedule()
+    assert sched.encoder_work and sched.num_decode_tokens == 1
+    assert not sched.encoding_interruptible
+    off = _engine(tiny_qwen2_vl, interruptible_steps=False)
+    off.add_request("cam", _frame(9), FEW, priority="batch")
+    sched = off.scheduler.schedule()
+    assert sched.encoder_work and not sched.encoding_interruptible
+
+
 async def test_a_chat_queued_mid_step_ends_a_camera_step_and_goes_next(tiny_qwen2_vl):
     """The server's path: the front end queues a chat on its own thread while the step thread
     runs a camera step; the step gives way at its next safe point and the chat is in the
