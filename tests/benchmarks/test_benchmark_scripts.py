@@ -332,6 +332,16 @@ def test_step_trace_summary_script(tmp_path, results):
     assert sum(w["steps"] for w in windows) == 50
     assert windows[0]["encoder_ms_per_unit"] == pytest.approx(0.1)
     assert windows[0]["chat_step_ms_p50"] == pytest.approx(30.0)
+    # one row per phase of a result with wall_window spans (interactive_first's), in time order
+    phases = tmp_path / "phases.json"
+    spans = {"late": {"wall_window": [100.6, 101.0]}, "early": {"wall_window": [100.0, 100.59]}}
+    phases.write_text(json.dumps(spans))
+    _run("benchmarks.step_trace_summary", str(trace), "--phases", str(phases), "--out", "p.json",
+         results=results)  # fmt: skip
+    rows = json.loads((results / "p.json").read_text())["windows"]
+    assert [r["phase"] for r in rows] == ["early", "late"]
+    assert [r["steps"] for r in rows] == [20, 14]
+    assert rows[0]["encoder_units_per_step_p50"] == pytest.approx(40.0)
 
 
 @pytest.mark.slow
