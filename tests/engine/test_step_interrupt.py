@@ -245,26 +245,37 @@ def test_a_forward_given_up_at_a_safe_point_is_run_again_exactly(tiny_qwen2_vl, 
         assert outputs[rid] == _reference(tiny_qwen2_vl, conv), rid
 
 
-def test_vision_items_run_before_the_interrupt_are_kept(tiny_qwen2_vl):
-    """The flag rises after the second vision item: those two stay done, the rest wait."""
-    expected = _reference(tiny_qwen2_vl, _frame(9))
-    eng = _engine(tiny_qwen2_vl, encoder_rows_per_item=16)
-    eng.add_request("cam", _frame(9), FEW, priority="batch")
-    ran = []
-    real_requested = eng.step_interrupt.requested
+def _step_giving_way_after_two_items(eng: LLMEngine) -> list:
+    """One step of the frame ``cam`` in which the flag rises after the second vision item:
+    those two stay done and nothing else ran. Returns what the runner was handed."""
+    ran, steps = [], []
+    real_requested, real_execute = eng.step_interrupt.requested, eng.runner.execute
 
     def after_two_items() -> bool:
         ran.append(1)
         return len(ran) > 2 or real_requested()
 
-    eng.step_interrupt.requested = after_two_items
-    eng.step()
+    def execute(sched):
+        steps.append(sched)
+        return real_execute(sched)
+
+    eng.step_interrupt.requested, eng.runner.execute = after_two_items, execute
+    assert eng.step() == []
+    eng.step_interrupt.requested, eng.runner.execute = real_requested, real_execute
     assert eng.get_stats().num_interrupted_steps == 1
     image = eng.scheduler.requests["cam"].prompt.images[0].content_hash
     job = eng.runner.encode_jobs[image]
     assert job.items_run == 2 and not job.done()
     assert eng.scheduler.requests["cam"].num_computed_tokens == 0
-    eng.step_interrupt.requested = real_requested
+    return steps
+
+
+def test_vision_items_run_before_the_interrupt_are_kept(tiny_qwen2_vl):
+    """The flag rises after the second vision item: those two stay done, the rest wait."""
+    expected = _reference(tiny_qwen2_vl, _frame(9))
+    eng = _engine(tiny_qwen2_vl, encoder_rows_per_item=16)
+    eng.add_request("cam", _frame(9), FEW, priority="batch")
+    assert _step_giving_way_after_two_items(eng)[0].interruptible
     assert _finish(eng) == {"cam": expected}
 
 
@@ -282,28 +293,9 @@ def test_encoding_gives_way_in_the_short_steps_after_a_chat_too(tiny_qwen2_vl):
     eng.add_request("chat", text_conv("hi there"), FEW, priority="interactive")
     _finish(eng)
     eng.add_request("cam", _frame(9), FEW, priority="batch")
-    ran, steps = [], []
-    real_requested, real_execute = eng.step_interrupt.requested, eng.runner.execute
-
-    def after_two_items() -> bool:
-        ran.append(1)
-        return len(ran) > 2 or real_requested()
-
-    def execute(sched):
-        steps.append(sched)
-        return real_execute(sched)
-
-    eng.step_interrupt.requested = after_two_items
-    eng.runner.execute = execute
-    assert eng.step() == []
-    assert not steps[0].interruptible and steps[0].encoding_interruptible
-    assert steps[0].target_s == pytest.approx(BOUND_MS / 1e3), "a plain short step"
-    assert eng.get_stats().num_interrupted_steps == 1
-    image = eng.scheduler.requests["cam"].prompt.images[0].content_hash
-    job = eng.runner.encode_jobs[image]
-    assert job.items_run == 2 and not job.done()
-    assert eng.scheduler.requests["cam"].num_computed_tokens == 0
-    eng.step_interrupt.requested = real_requested
+    step = _step_giving_way_after_two_items(eng)[0]
+    assert not step.interruptible and step.encoding_interruptible
+    assert step.target_s == pytest.approx(BOUND_MS / 1e3), "a plain short step"
     assert _finish(eng) == {"cam": expected}
 
     busy = _engine(tiny_qwen2_vl)
