@@ -12,6 +12,7 @@ and the engine read it.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -376,8 +377,6 @@ def _warn_unless_libraries_follow(variant: str | None) -> None:
     """Under a lesser ``VISION_SERVE_CPU_VARIANT``, say which library settings this process
     lacks to run that CPU class's code in torch, oneDNN and MKL too (they read them at load:
     too late to set here), so a figure taken without them is not mistaken for that class's."""
-    import os
-
     if variant is None or not planned_as_lesser_cpu():
         return
     missing = {

@@ -229,3 +229,30 @@ def test_the_platform_plan_decides_together(monkeypatch) -> None:
     assert unpacked.linear_kind == "plain" and not unpacked.cpu_linears
     with pytest.raises(ValueError, match="CPU only"):
         plan_platform(torch.device("cuda"), torch.bfloat16, quantization="int8")
+
+
+def test_a_lesser_plan_names_the_library_caps_it_lacks(monkeypatch, caplog) -> None:
+    """torch, oneDNN and MKL read their caps at load: the start-up log says which are
+    missing, so a figure taken without them is not mistaken for an AVX2 box's."""
+    import engine.kernels as kernels
+    from engine.device import LESSER_CPU_LIBRARY_ENV
+    from engine.platform import _warn_unless_libraries_follow
+
+    monkeypatch.setattr(kernels, "runnable_variants", lambda: ["native-bf16", "avx2"])
+    monkeypatch.setenv(kernels.VARIANT_ENV, "avx2")
+    for key in LESSER_CPU_LIBRARY_ENV["avx2"]:
+        monkeypatch.delenv(key, raising=False)
+    with caplog.at_level("WARNING", logger="engine"):
+        _warn_unless_libraries_follow("avx2")
+    assert "ONEDNN_MAX_CPU_ISA=AVX2" in caplog.text and "ATEN_CPU_CAPABILITY=avx2" in caplog.text
+    caplog.clear()
+    for key, value in LESSER_CPU_LIBRARY_ENV["avx2"].items():
+        monkeypatch.setenv(key, value)
+    with caplog.at_level("WARNING", logger="engine"):
+        _warn_unless_libraries_follow("avx2")
+    assert caplog.text == ""
+    monkeypatch.delenv(kernels.VARIANT_ENV)  # the CPU's own plan: nothing to say
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    with caplog.at_level("WARNING", logger="engine"):
+        _warn_unless_libraries_follow("native-bf16")
+    assert caplog.text == ""
