@@ -15,6 +15,7 @@ from engine.errors import UnsupportedModelError
 from engine.kernels import load_cpu_decode
 from engine.layers.linear import pack_linears
 from engine.layers.quantized import quantize_linears
+from engine.models.vision_encoder import TYPICAL_ITEM_ROWS
 from engine.platform import PlatformPlan, plan_platform, vision_compute_dtype
 
 __all__ = ["load_model", "read_architecture", "vision_compute_dtype"]
@@ -116,7 +117,7 @@ def load_model(
     if plan.cpu_linears and (model.cpu_kernels is not None or plan.emulated_bf16):
         # the vision tower's linears run once per 64-row work item: F.linear would re-lay-out
         # (or, emulated, run at a fifth of the fp32 rate) each bf16 weight every time
-        replaced = pack_linears(visual, upcast_bf16=plan.emulated_bf16)
+        replaced = pack_linears(visual, upcast_bf16=plan.emulated_bf16, rows_hint=TYPICAL_ITEM_ROWS)
         log.info("replaced %d vision linears for the CPU", replaced)
     if plan.quantization == "int8":
         # the head too: on small models it is a quarter of the weight bytes a step reads

@@ -47,6 +47,9 @@ from transformers.activations import ACT2FN
 QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
 # a work item cut to fit a step keeps at least this many rows (smaller pieces are all overhead)
 MIN_SPLIT_ROWS = 16
+# the rows a vision linear's call usually carries: pieces beside chat run ~64, whole items
+# 256 (engine/layers/linear.py PackedLinear lays the weights out for it)
+TYPICAL_ITEM_ROWS = 64
 _SCORE_ROWS = 64  # query rows per score matrix in bf16 attention: [heads, 64, keys] stays cached
 
 

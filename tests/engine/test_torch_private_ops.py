@@ -109,18 +109,19 @@ def test_private_op_schema_is_the_one_we_call(
     assert got == schema, f"torch.ops.{namespace}.{name} changed ({where} calls it):\n{got}"
 
 
+@pytest.mark.parametrize("rows_hint", [1, 64])  # decode-sized, and the vision tower's items
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("shape", [(3, 64), (2, 5, 64)])
+@pytest.mark.parametrize("shape", [(3, 64), (2, 5, 64), (67, 64)])
 def test_mkldnn_packed_linear_equals_f_linear(
-    dtype: torch.dtype, bias: bool, shape: tuple[int, ...]
+    dtype: torch.dtype, bias: bool, shape: tuple[int, ...], rows_hint: int
 ) -> None:
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch built without oneDNN")
     gen = torch.Generator().manual_seed(0)
     lin = nn.Linear(64, 96, bias=bias).to(dtype)
     try:
-        packed = PackedLinear(lin)
+        packed = PackedLinear(lin, rows_hint)
     except RuntimeError as exc:
         # torch 2.14 on AVX2 (or oneDNN capped there: ONEDNN_MAX_CPU_ISA, README "Kernels"):
         # "bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq";

@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.layers.linear import PackedLinear
 from engine.models import load_model, vision_compute_dtype
 from engine.models.vision_encoder import (
     MIN_SPLIT_ROWS,
+    TYPICAL_ITEM_ROWS,
     AttentionCall,
     VisionTower,
     attention_calls,
@@ -241,6 +243,18 @@ def test_result_before_done_is_an_error(loaded, tiny_qwen2_vl):
     job.advance(0.0)
     with pytest.raises(RuntimeError, match="not done"):
         job.result()
+
+
+def test_vision_linears_are_laid_out_for_work_item_rows(tiny_qwen2_vl):
+    """The tower's packed linears are laid out for its work items' rows, not for one row:
+    at one row an fp32 weight stays row-major on AVX2 and every item re-blocks it."""
+    model = load_model(tiny_qwen2_vl, torch.bfloat16, torch.device("cpu"))[0]
+    packed = [m for m in model.visual.modules() if isinstance(m, PackedLinear)]
+    if not packed:
+        pytest.skip("this CPU's plan keeps the tower's linears unpacked")
+    assert {m.rows_hint for m in packed} == {TYPICAL_ITEM_ROWS}
+    decoder = [m for m in model.modules() if isinstance(m, PackedLinear) and m not in packed]
+    assert {m.rows_hint for m in decoder} <= {1}  # the decoder's stay laid out for decode
 
 
 def _load_with_bf16_tower(checkpoint):
