@@ -24,9 +24,9 @@ log = logging.getLogger("engine.layers")
 
 class PackedLinear(nn.Module):
     """``rows_hint``: the rows a call usually carries, which oneDNN lays the weight out for.
-    At 1 (decode-sized calls) an fp32 weight stays row-major where the CPU has no AVX-512, and
-    every many-row call then re-blocks all of it: the vision tower's 64-row work items (fp32 on
-    AVX2 CPUs) ran their MLP 18 % slower so, 13 % after a decode step had evicted the weights
+    At 1 (decode-sized calls) an fp32 weight stays row-major (AVX2 and AVX-512 alike), and
+    every many-row call then re-blocks all of it: an MLP of the vision tower's work items (fp32
+    on AVX2 CPUs) took 23 % longer so, 15 % after a 160 MB stream had evicted its weights
     (2-core Zen 4 planned as AVX2, 67 rows through 384x1536 and back, in turns)."""
 
     def __init__(self, linear: nn.Linear, rows_hint: int = 1) -> None:
