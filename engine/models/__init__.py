@@ -115,8 +115,9 @@ def load_model(
             "weights" if plan.gemv_row_major or plan.quantization else "norms and biases",
         )
     if plan.cpu_linears and (model.cpu_kernels is not None or plan.emulated_bf16):
-        # the vision tower's linears run once per 64-row work item: F.linear would re-lay-out
-        # (or, emulated, run at a fifth of the fp32 rate) each bf16 weight every time
+        # the vision tower's linears run once per ~64-row work item: F.linear would re-lay-out
+        # (or, emulated, run at a fifth of the fp32 rate) each bf16 weight every time, and a
+        # weight packed for one row (fp32 stays row-major then) is re-blocked inside every call
         replaced = pack_linears(visual, upcast_bf16=plan.emulated_bf16, rows_hint=TYPICAL_ITEM_ROWS)
         log.info("replaced %d vision linears for the CPU", replaced)
     if plan.quantization == "int8":

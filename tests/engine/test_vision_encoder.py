@@ -247,7 +247,8 @@ def test_result_before_done_is_an_error(loaded, tiny_qwen2_vl):
 
 def test_vision_linears_are_laid_out_for_work_item_rows(tiny_qwen2_vl):
     """The tower's packed linears are laid out for its work items' rows, not for one row:
-    at one row an fp32 weight stays row-major on AVX2 and every item re-blocks it."""
+    at one row an fp32 weight stays row-major (AVX2 and AVX-512 alike) and every item
+    re-blocks it."""
     model = load_model(tiny_qwen2_vl, torch.bfloat16, torch.device("cpu"))[0]
     packed = [m for m in model.visual.modules() if isinstance(m, PackedLinear)]
     if not packed:
