@@ -337,13 +337,35 @@ class VisionEncodeJob:
         items = [self._item("embed", -1, s, e) for s, e in self._ranges(n)]
         for b in range(tower.depth):
             items += [self._item("qkv", b, s, e) for s, e in self._ranges(n)]
-            items += [self._item("attn", b, s, e) for s, e in self._ranges(n)]
+            items += self._attention_items(b)
             items += [self._item("mlp", b, s, e) for s, e in self._ranges(n)]
         merge_rows = n // tower.merge_unit
         items += [
             self._item("merge", -1, s, e) for s, e in self._ranges(merge_rows, tower.merge_unit)
         ]
         return items
+
+    def _attention_items(self, block: int) -> list[WorkItem]:
+        """A block's attention, head by head: each item one head over as many rows as the
+        block's other items' cost in all heads (``max_rows_per_item x num_heads``).
+
+        Why head-major: beside chat a step has room for a few heads' share of a row-major
+        item, so its pieces were a few rows of a head, each streaming that head's keys and
+        values (cold after every decode step) for little arithmetic. One head over many rows
+        is cut to the room instead. In-process on a 2-core Zen 4 (bf16, 64-row items,
+        ``benchmarks.encoder_beside_chat``, in turns): attention beside chat 13.8-14.3 ->
+        11.8-12.3 us a unit (10.3 in a whole frame), encoder units per second of step time
+        past the decode step 43.7-45.2k -> 57.8-61.1k. Whole (``max_rows_per_item`` None, the
+        GPU) stays one call over every head."""
+        tower, n = self.tower, self.num_rows
+        if tower.max_rows_per_item is None:
+            return [self._item("attn", block, 0, n)]
+        step = tower.max_rows_per_item * tower.num_heads
+        return [
+            self._item("attn", block, s, min(s + step, n), (h, h + 1))
+            for h in range(tower.num_heads)
+            for s in range(0, n, step)
+        ]
 
     def _item(
         self, kind: str, block: int, s: int, e: int, heads: tuple[int, int] | None = None

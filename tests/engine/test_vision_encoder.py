@@ -175,6 +175,36 @@ def test_attention_is_cut_by_heads_before_rows(loaded, tiny_qwen2_vl):
     _assert_all_close(job.result(), whole.encode(pixels, grid))
 
 
+def test_attention_items_go_head_by_head_over_many_rows(loaded, tiny_qwen2_vl):
+    """With items of ``max_rows`` rows, a block's attention is planned head-major: each item
+    one head over ``max_rows x num_heads`` rows (the cost of an all-heads item), every item
+    of head 0 before any of head 1, together covering each (row, head) once; a step with
+    room for part of one runs that head's first rows, and the split encode is exact."""
+    tower, model = _tower(loaded, tiny_qwen2_vl, max_rows=MIN_SPLIT_ROWS)
+    pixels, grid = _inputs(model, ONE_IMAGE)
+    job = tower.job(pixels, grid)
+    rows = job.num_rows
+    for block in range(tower.depth):
+        attn = [i for i in job.items if i.kind == "attn" and i.block == block]
+        assert all(i.heads[1] - i.heads[0] == 1 for i in attn)
+        assert [i.heads[0] for i in attn] == sorted(i.heads[0] for i in attn)
+        assert max(i.end - i.start for i in attn) == MIN_SPLIT_ROWS * tower.num_heads
+        covered = sorted(
+            (h, r) for i in attn for h in range(*i.heads) for r in range(i.start, i.end)
+        )
+        assert covered == [(h, r) for h in range(tower.num_heads) for r in range(rows)]
+    _advance_to_attention(job)
+    item = job.items[job.cursor]
+    job.advance(item.cost / 2)
+    piece, rest = job.items[job.cursor - 1], job.items[job.cursor]
+    assert piece.heads == rest.heads == item.heads
+    assert (piece.start, piece.end, rest.end) == (item.start, rest.start, item.end)
+    while not job.done():
+        job.advance(job.next_cost() / 2)
+    whole = VisionTower(model.visual, model.vision_config, model.architecture)
+    _assert_all_close(job.result(), whole.encode(pixels, grid))
+
+
 def _advance_to_attention(job) -> None:
     while job.items[job.cursor].kind != "attn":
         job.advance(job.next_cost())
