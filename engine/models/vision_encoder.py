@@ -327,9 +327,10 @@ class VisionEncodeJob:
     def _segments(self, block: int) -> list[tuple[int, int]]:
         return self.full_segments if block in self.tower.full_blocks else self.window_segments
 
-    def _ranges(self, n: int, unit: int = 1) -> list[tuple[int, int]]:
+    def _ranges(self, n: int, unit: int = 1, scale: int = 1) -> list[tuple[int, int]]:
+        """Row spans of ``max_rows_per_item x scale / unit`` rows (one span: whole)."""
         step = self.tower.max_rows_per_item
-        step = n if step is None else max(1, step // unit)
+        step = n if step is None else max(1, step * scale // unit)
         return [(s, min(s + step, n)) for s in range(0, n, step)]
 
     def _plan(self) -> list[WorkItem]:
@@ -346,8 +347,8 @@ class VisionEncodeJob:
         return items
 
     def _attention_items(self, block: int) -> list[WorkItem]:
-        """A block's attention, head by head: each item one head over as many rows as the
-        block's other items' cost in all heads (``max_rows_per_item x num_heads``).
+        """A block's attention, head by head: each item one head over ``max_rows_per_item x
+        num_heads`` rows, the cost of an all-heads item of ``max_rows_per_item`` rows.
 
         Why head-major: beside chat a step has room for a few heads' share of a row-major
         item, so its pieces were a few rows of a head, each streaming that head's keys and
@@ -360,11 +361,11 @@ class VisionEncodeJob:
         tower, n = self.tower, self.num_rows
         if tower.max_rows_per_item is None:
             return [self._item("attn", block, 0, n)]
-        step = tower.max_rows_per_item * tower.num_heads
+        heads = tower.num_heads
         return [
-            self._item("attn", block, s, min(s + step, n), (h, h + 1))
-            for h in range(tower.num_heads)
-            for s in range(0, n, step)
+            self._item("attn", block, s, e, (h, h + 1))
+            for h in range(heads)
+            for s, e in self._ranges(n, scale=heads)
         ]
 
     def _item(
